@@ -1,0 +1,8 @@
+"""Gradient accumulation for BrainPy: ``AccumBPTT`` instead of ``bp.BPTT``, same ``trainer.fit(...)``."""
+
+from ._plan import MicroBatchPlan
+from ._plan import plan_micro_batches
+from .trainer import AccumBPTT
+
+__all__ = ['AccumBPTT', 'MicroBatchPlan', 'plan_micro_batches']
+__version__ = '0.1.0'

@@ -1,0 +1,54 @@
+"""Eager checks of user arguments: each error names the argument, shows the value and says what to do."""
+
+
+from ._accumulate import GRAD_REDUCTIONS
+from ._plan import check_positive_int
+
+__all__ = ['check_accumulation_args', 'check_fit_args', 'check_data']
+
+
+def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis) -> None:
+  """Validate the accumulation options of :class:`AccumBPTT`."""
+  if num_micro_batch is not None and micro_batch_size is not None:
+    raise ValueError(f'Give exactly one of num_micro_batch and micro_batch_size, not both; got '
+                     f'{num_micro_batch=} and {micro_batch_size=}.')
+  if num_micro_batch is None and micro_batch_size is None:
+    raise ValueError('Give one of num_micro_batch (e.g. num_micro_batch=4) or micro_batch_size '
+                     '(e.g. micro_batch_size=32); neither was given.')
+  if num_micro_batch is not None:
+    check_positive_int('num_micro_batch', num_micro_batch, 'Pass e.g. num_micro_batch=4.')
+  else:
+    check_positive_int('micro_batch_size', micro_batch_size, 'Pass e.g. micro_batch_size=32.')
+  if not isinstance(grad_reduction, str):
+    raise TypeError(f'{grad_reduction=} must be one of {GRAD_REDUCTIONS}.')
+  if grad_reduction not in GRAD_REDUCTIONS:
+    raise ValueError(f"{grad_reduction=} is unknown: use 'mean' (losses that average over samples, "
+                     f"reproduces whole-batch training) or 'sum' (losses that sum over samples).")
+  if target_batch_axis is not None:
+    if isinstance(target_batch_axis, bool) or not isinstance(target_batch_axis, int) or target_batch_axis < 0:
+      raise ValueError(f'{target_batch_axis=} must be None (follow data_first_axis) or a non-negative int.')
+
+
+def check_fit_args(num_epoch, num_report, reset_state, fun_after_report) -> None:
+  """Validate the loop arguments of :meth:`AccumBPTT.fit`."""
+  if isinstance(num_epoch, bool) or not isinstance(num_epoch, int) or num_epoch < 0:
+    raise ValueError(f'{num_epoch=} must be a non-negative int.')
+  if isinstance(num_report, bool) or not isinstance(num_report, int):
+    raise TypeError(f'{num_report=} must be an int: -1 reports once per epoch, k > 0 every k steps.')
+  if not isinstance(reset_state, bool):
+    raise TypeError(f'{reset_state=} must be True or False.')
+  if fun_after_report is not None and not callable(fun_after_report):
+    raise TypeError(f'{fun_after_report=} must be callable as fun_after_report(idx, metrics, phase).')
+
+
+def check_data(name: str, data) -> None:
+  """Reject a bare ``(X, Y)`` pair, which :meth:`fit` would otherwise iterate sample by sample."""
+  if callable(data):
+    return
+  if not hasattr(data, '__iter__'):
+    raise TypeError(f'{name} must be an iterable of (inputs, targets) batches or a callable returning one; '
+                    f'got {type(data).__name__}.')
+  if isinstance(data, (tuple, list)) and len(data) == 2 and all(hasattr(d, 'shape') or isinstance(d, dict)
+                                                               for d in data):
+    raise TypeError(f'{name} looks like one bare (X, Y) pair. Give an iterable of batches instead, '
+                    f'e.g. {name}=[(X, Y)] for a single batch.')

@@ -1,0 +1,55 @@
+"""Per-phase bookkeeping of losses and metrics during :meth:`AccumBPTT.fit`, as :class:`brainpy.BPTT` keeps it."""
+
+import time
+from typing import Dict, List
+
+import numpy as np
+
+__all__ = ['PhaseLog']
+
+
+class PhaseLog:
+  """Collects one phase's per-batch metrics and turns them into report lines.
+
+  ``detailed`` keeps every batch's value, ``report`` the mean over each
+  report window; both become the arrays behind
+  :meth:`brainpy.BPTT.get_hist_metric`.
+  """
+
+  def __init__(self, title: str):
+    self.title = title
+    self.steps = 0
+    self.window: Dict[str, List] = {'loss': []}
+    self.report: Dict[str, List] = {}
+    self.detailed: Dict[str, List] = {}
+    self.plan_text = ''
+    self.started = time.time()
+
+  def record(self, loss, aux: dict, plan_text: str) -> None:
+    """Keep one batch's loss and auxiliary metrics."""
+    self.window['loss'].append(loss)
+    for key, value in aux.items():
+      self.window.setdefault(key, []).append(value)
+    if not self.plan_text:
+      self.plan_text = plan_text
+    self.steps += 1
+
+  def close_window(self, idx: int, unit: str):
+    """Average the window, store it, and return ``(line, means)``."""
+    means = {}
+    for key, values in self.window.items():
+      means[key] = np.mean(np.asarray(values))
+      self.report.setdefault(key, []).append(means[key])
+      self.detailed.setdefault(key, []).extend(values)
+      values.clear()
+    elapsed = time.time() - self.started
+    metrics = ', '.join(f'{k} {v}' for k, v in means.items())
+    line = f'{self.title} {idx} {unit}, use {elapsed:.4f} s, {metrics} ({self.plan_text})'
+    self.plan_text = ''
+    self.started = time.time()
+    return line, means
+
+  def arrays(self):
+    """``(report, detailed)`` as dicts of NumPy arrays."""
+    return ({k: np.asarray(v) for k, v in self.report.items()},
+            {k: np.asarray(v) for k, v in self.detailed.items()})

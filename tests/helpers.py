@@ -1,0 +1,92 @@
+"""Tiny models, data and one tolerance helper shared by the tests."""
+
+import brainpy as bp
+import brainpy.math as bm
+import jax
+import numpy as np
+
+# float32 round-off of summing micro-batch gradients in another order, after a few Adam steps.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
+  """Compare two pytrees of arrays leaf by leaf."""
+  actual_leaves, actual_def = jax.tree_util.tree_flatten(actual)
+  expected_leaves, expected_def = jax.tree_util.tree_flatten(expected)
+  assert actual_def == expected_def, f'{actual_def} != {expected_def}'
+  for a, e in zip(actual_leaves, expected_leaves):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+class RateRNN(bp.DynamicalSystem):
+  """A vanilla RNN cell and a linear read-out."""
+
+  def __init__(self, n_in=3, n_hidden=8, n_out=2):
+    super().__init__()
+    self.rnn = bp.dyn.RNNCell(n_in, n_hidden)
+    self.out = bp.dnn.Dense(n_hidden, n_out)
+
+  def update(self, x):
+    return self.out(self.rnn(x))
+
+
+class SpikingNet(bp.DynamicalSystem):
+  """Dense -> LIF with refractoriness and a surrogate gradient -> Dense; random initial potentials."""
+
+  def __init__(self, n_in=3, n_hidden=8, n_out=2):
+    super().__init__()
+    self.inp = bp.dnn.Dense(n_in, n_hidden, W_initializer=bp.init.KaimingNormal(scale=5.))
+    self.lif = bp.dyn.LifRef(n_hidden, V_rest=0., V_reset=0., V_th=1., tau=2., tau_ref=1.,
+                             spk_fun=bm.surrogate.Arctan(), V_initializer=bp.init.Uniform(0., 0.8))
+    self.out = bp.dnn.Dense(n_hidden, n_out)
+
+  def update(self, x):
+    return self.out(self.lif(self.inp(x)))
+
+
+class DictInputRNN(RateRNN):
+  """Takes its input as a dict of two arrays."""
+
+  def update(self, x):
+    return super().update(x['a'] + 2. * x['b'])
+
+
+MODELS = {'rnn': RateRNN, 'snn': SpikingNet, 'dict_rnn': DictInputRNN}
+
+
+def make_model(name, seed=0, **kwargs):
+  """The same initial parameters for every call with the same seed."""
+  bm.random.seed(seed)
+  with bm.training_environment():
+    return MODELS[name](**kwargs)
+
+
+def make_batches(sizes, num_time=5, n_in=3, n_out=2, seed=0, time_first=False, dict_inputs=False):
+  """Batches of (inputs, targets) with the given batch sizes; targets are per-time-step."""
+  rng = np.random.RandomState(seed)
+  batches = []
+  for size in sizes:
+    x = (rng.rand(size, num_time, n_in) * 2.).astype('float32')
+    y = rng.rand(size, num_time, n_out).astype('float32')
+    if time_first:
+      x, y = x.transpose(1, 0, 2), y.transpose(1, 0, 2)
+    if dict_inputs:
+      x = {'a': x, 'b': (x * 0.5)[..., ::-1].copy()}
+    batches.append((x, y))
+  return batches
+
+
+def params_of(model):
+  """Trainable parameters as a list of NumPy arrays, in a stable order."""
+  return [np.asarray(v) for v in model.train_vars().unique().values()]
+
+
+def mse_with_aux(predicts, targets):
+  """Mean-squared error with two auxiliary metrics, both means over samples."""
+  loss = bp.losses.mean_squared_error(predicts, targets)
+  return loss, {'mean_out': predicts.mean(), 'abs_err': bm.abs(predicts - targets).mean()}
+
+
+def optimizer_state(trainer):
+  """Every Variable of the optimizer (moments, step counters) as NumPy arrays."""
+  return {k: np.asarray(v) for k, v in trainer.optimizer.vars().unique().items()}
