@@ -17,14 +17,20 @@ __all__ = ['GRAD_REDUCTIONS', 'wide_zeros_like', 'add_scaled', 'finish_grads', '
 GRAD_REDUCTIONS = ('mean', 'sum')
 
 
+def _wide_dtype(x):
+  return jnp.promote_types(jnp.result_type(x), jnp.float32)
+
+
 def _wide(x):
+  # Convert only when needed: an ``astype`` would drop JAX's weak type, change the
+  # parameters' abstract type after the first update and cost a second compilation.
   x = jnp.asarray(x)
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return x if x.dtype == _wide_dtype(x) else x.astype(_wide_dtype(x))
 
 
 def wide_zeros_like(tree):
-  """Zeros shaped like ``tree``, in float32 or wider."""
-  return jax.tree_util.tree_map(lambda x: jnp.zeros(jnp.shape(x), _wide(x).dtype), tree)
+  """Zeros shaped like ``tree``, in float32 or wider (keeping weak types)."""
+  return jax.tree_util.tree_map(lambda x: jnp.zeros_like(_wide(x)), tree)
 
 
 def add_scaled(total, weight, tree):
@@ -34,8 +40,10 @@ def add_scaled(total, weight, tree):
 
 def finish_grads(grad_sum, total_weight, reduction: str, params):
   """Divide the summed gradients by the total weight for ``'mean'`` and cast them to the parameters' dtypes."""
-  scale = (1. / total_weight) if reduction == 'mean' else 1.
-  return jax.tree_util.tree_map(lambda g, p: (g * scale).astype(jnp.result_type(p)), grad_sum, params)
+  def finish(g, p):
+    g = g / total_weight if reduction == 'mean' else g
+    return g if g.dtype == jnp.result_type(p) else g.astype(jnp.result_type(p))
+  return jax.tree_util.tree_map(finish, grad_sum, params)
 
 
 def combine_values(values, weights, reduction: str):

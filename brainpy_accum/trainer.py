@@ -72,6 +72,7 @@ class AccumBPTT(bp.BPTT):
   trace_counts : dict
     How many times the train step (``'fit'``) and the evaluation step
     (``'loss'``) were traced: one per distinct batch shape when jitted.
+    :attr:`compilations` counts the XLA executables behind them.
 
   Examples
   --------
@@ -115,6 +116,12 @@ class AccumBPTT(bp.BPTT):
     return (f'{self.__class__.__name__}(target={self.target}, num_micro_batch={self.num_micro_batch}, '
             f'micro_batch_size={self.micro_batch_size}, grad_reduction={self.grad_reduction!r}, '
             f'optimizer={self.optimizer})')
+
+  @property
+  def compilations(self) -> Dict[str, int]:
+    """XLA executables compiled so far for the train (``'fit'``) and evaluation (``'loss'``) steps."""
+    return {'fit': self._jit_step_func_fit.jitted_fun._cache_size(),
+            'loss': self._jit_step_func_eval.jitted_fun._cache_size()}
 
   # ------------------------------------------------------------------ planning
 

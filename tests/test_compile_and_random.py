@@ -9,11 +9,13 @@ from brainpy_accum import AccumBPTT
 from helpers import make_batches, make_model
 
 
-def test_train_step_is_traced_once_per_batch_shape():
+def test_train_step_is_traced_and_compiled_once_per_batch_shape():
   trainer = AccumBPTT(make_model('rnn'), bp.losses.mean_squared_error, num_micro_batch=4, progress_bar=False)
   trainer.fit(make_batches((10, 10, 7)), test_data=make_batches((9,), seed=1), num_epoch=4)
   # batch sizes 10 and 7 (the short last batch): two shapes, each traced once over four epochs.
   assert trainer.trace_counts == {'fit': 2, 'loss': 1}
+  # ...and compiled once: the parameters' abstract types (weak types included) survive the update.
+  assert trainer.compilations == {'fit': 2, 'loss': 1}
 
 
 class NoisyReadout(bp.DynamicalSystem):
