@@ -2,7 +2,8 @@
 
 from ._plan import MicroBatchPlan
 from ._plan import plan_micro_batches
+from ._planner import parse_memory
 from .trainer import AccumBPTT
 
-__all__ = ['AccumBPTT', 'MicroBatchPlan', 'plan_micro_batches']
+__all__ = ['AccumBPTT', 'MicroBatchPlan', 'parse_memory', 'plan_micro_batches']
 __version__ = '0.1.0'

@@ -12,7 +12,7 @@ Gradients are summed in at least float32, whatever the parameters' dtype.
 import jax
 import jax.numpy as jnp
 
-__all__ = ['GRAD_REDUCTIONS', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'combine_values', 'append_entry']
+__all__ = ['GRAD_REDUCTIONS', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'combine_values', 'concat_stacked']
 
 GRAD_REDUCTIONS = ('mean', 'sum')
 
@@ -58,6 +58,6 @@ def combine_values(values, weights, reduction: str):
   return jax.tree_util.tree_map(lambda v: jnp.tensordot(weights, _wide(v), axes=1) / weights.sum(), values)
 
 
-def append_entry(stacked, entry):
-  """Add one more micro-batch entry after the stacked ones."""
-  return jax.tree_util.tree_map(lambda s, e: jnp.concatenate([s, jnp.asarray(e)[None].astype(s.dtype)]), stacked, entry)
+def concat_stacked(first, second):
+  """Join two pytrees of per-micro-batch values along their leading (micro-batch) axis."""
+  return jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)]), first, second)

@@ -3,11 +3,13 @@
 
 from ._accumulate import GRAD_REDUCTIONS
 from ._plan import check_positive_int
+from ._planner import parse_memory
 
-__all__ = ['check_accumulation_args', 'check_fit_args', 'check_data']
+__all__ = ['check_accumulation_args', 'check_remat', 'check_fit_args', 'check_data']
 
 
-def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis) -> None:
+def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis,
+                            memory_budget) -> None:
   """Validate the accumulation options of :class:`AccumBPTT`."""
   if num_micro_batch is not None and micro_batch_size is not None:
     raise ValueError(f'Give exactly one of num_micro_batch and micro_batch_size, not both; got '
@@ -15,8 +17,15 @@ def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, t
   if num_micro_batch is None and micro_batch_size is None:
     raise ValueError('Give one of num_micro_batch (e.g. num_micro_batch=4) or micro_batch_size '
                      '(e.g. micro_batch_size=32); neither was given.')
-  if num_micro_batch is not None:
-    check_positive_int('num_micro_batch', num_micro_batch, 'Pass e.g. num_micro_batch=4.')
+  if num_micro_batch == 'auto':
+    if memory_budget is None:
+      raise ValueError("num_micro_batch='auto' needs memory_budget, e.g. memory_budget='2GiB'.")
+    parse_memory(memory_budget)
+  elif memory_budget is not None:
+    raise ValueError(f"{memory_budget=} is only used with num_micro_batch='auto'; got {num_micro_batch=} "
+                     f"and {micro_batch_size=}.")
+  elif num_micro_batch is not None:
+    check_positive_int('num_micro_batch', num_micro_batch, "Pass e.g. num_micro_batch=4, or 'auto'.")
   else:
     check_positive_int('micro_batch_size', micro_batch_size, 'Pass e.g. micro_batch_size=32.')
   if not isinstance(grad_reduction, str):
@@ -27,6 +36,13 @@ def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, t
   if target_batch_axis is not None:
     if isinstance(target_batch_axis, bool) or not isinstance(target_batch_axis, int) or target_batch_axis < 0:
       raise ValueError(f'{target_batch_axis=} must be None (follow data_first_axis) or a non-negative int.')
+
+
+def check_remat(remat) -> None:
+  """``remat`` is a bool or a positive int (steps per checkpointed segment)."""
+  if isinstance(remat, bool):
+    return
+  check_positive_int('remat', remat, 'Use remat=True (segments of sqrt(T) steps), an int segment length, or False.')
 
 
 def check_fit_args(num_epoch, num_report, reset_state, fun_after_report) -> None:

@@ -1,5 +1,6 @@
 """``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation over micro-batches inside one compiled step."""
 
+import functools
 from typing import Any, Callable, Dict, Iterable, Optional, Sized, Tuple, Union, cast
 
 import brainpy as bp
@@ -10,10 +11,12 @@ from brainpy import tools
 from brainpy.running import constants as c
 from tqdm import tqdm
 
-from ._accumulate import add_scaled, append_entry, combine_values, finish_grads, wide_zeros_like
+from ._accumulate import add_scaled, combine_values, concat_stacked, finish_grads, wide_zeros_like
 from ._batch import BatchLayout, batch_layout, put_samples, take_samples
-from ._checks import check_accumulation_args, check_data, check_fit_args
+from ._checks import check_accumulation_args, check_data, check_fit_args, check_remat
 from ._plan import MicroBatchPlan, plan_micro_batches
+from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory, parse_memory
+from ._remat import checkpointed_time_loop
 from ._report import PhaseLog
 
 __all__ = ['AccumBPTT']
@@ -48,9 +51,11 @@ class AccumBPTT(bp.BPTT):
     The loss ``loss_fun(predicts, targets)``, or a name from ``brainpy.losses``.
   optimizer : Optimizer, optional
     The optimizer; defaults as in :class:`brainpy.BPTT`.
-  num_micro_batch : int, optional
+  num_micro_batch : int or 'auto', optional
     Cut each batch into at most this many micro-batches of
     ``ceil(batch_size / num_micro_batch)`` samples. Give this or ``micro_batch_size``.
+    ``'auto'`` picks, for each batch size, the fewest micro-batches whose
+    compiled train step fits ``memory_budget`` (see :meth:`plan_memory`).
   micro_batch_size : int, optional
     Cut each batch into micro-batches of this many samples (the last one may
     be shorter). Give this or ``num_micro_batch``.
@@ -63,6 +68,14 @@ class AccumBPTT(bp.BPTT):
     The batch axis of every target leaf. By default it follows
     ``data_first_axis`` (axis 0 for ``'B'``, axis 1 for ``'T'``) and falls back
     to axis 0 for leaves whose preferred axis does not hold the batch.
+  memory_budget : int or str, optional
+    With ``num_micro_batch='auto'``: bytes, or a string like ``'512MiB'`` or ``'2GiB'``.
+  remat : bool or int
+    Rematerialise over time: ``True`` checkpoints the time loop every
+    ``round(sqrt(T))`` steps, an int every that many steps, so that the
+    backward pass keeps one model state per segment instead of every step's
+    activations (about one extra forward pass of compute; same gradients).
+    ``False`` (default) stores every step, as :class:`brainpy.BPTT` does.
   **kwargs
     Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
     ``jit``, ``data_first_axis``, ``progress_bar``, ...).
@@ -97,18 +110,24 @@ class AccumBPTT(bp.BPTT):
       loss_fun: Union[str, Callable],
       optimizer: Optional[bp.optim.Optimizer] = None,
       *,
-      num_micro_batch: Optional[int] = None,
+      num_micro_batch: Union[int, str, None] = None,
       micro_batch_size: Optional[int] = None,
       grad_reduction: str = 'mean',
       target_batch_axis: Optional[int] = None,
+      memory_budget: Union[int, str, None] = None,
+      remat: Union[bool, int] = False,
       **kwargs,
   ):
-    check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis)
+    check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
+    check_remat(remat)
     super().__init__(target, loss_fun, optimizer=optimizer, **kwargs)
     self.num_micro_batch = num_micro_batch
     self.micro_batch_size = micro_batch_size
     self.grad_reduction = grad_reduction
     self.target_batch_axis = target_batch_axis
+    self.remat = remat
+    self.memory_budget = None if memory_budget is None else parse_memory(memory_budget)
+    self.memory_plans: Dict[int, Tuple[MicroBatchPlan, int]] = {}
     self.trace_counts = {'fit': 0, 'loss': 0}
     self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
 
@@ -128,6 +147,9 @@ class AccumBPTT(bp.BPTT):
   def plan_for(self, batch_size: int) -> MicroBatchPlan:
     """The micro-batches that a batch of ``batch_size`` samples is cut into.
 
+    With ``num_micro_batch='auto'`` the batch size must have been planned
+    (:meth:`plan_memory`, which :meth:`fit` calls on each new batch size).
+
     Examples
     --------
     >>> import brainpy as bp, brainpy.math as bm
@@ -137,8 +159,57 @@ class AccumBPTT(bp.BPTT):
     >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).plan_for(10).sizes
     (3, 3, 3, 1)
     """
-    return plan_micro_batches(batch_size, num_micro_batch=self.num_micro_batch,
-                              micro_batch_size=self.micro_batch_size)
+    if self.num_micro_batch != 'auto':
+      return plan_micro_batches(batch_size, num_micro_batch=self.num_micro_batch,
+                                micro_batch_size=self.micro_batch_size)
+    if batch_size not in self.memory_plans:
+      raise ValueError(f'No micro-batch plan for {batch_size=} yet under memory_budget='
+                       f'{format_memory(self.memory_budget)}: call trainer.plan_memory(inputs, targets) '
+                       f'with a batch of that size first (fit does this itself).')
+    return self.memory_plans[batch_size][0]
+
+  def num_micro_batch_for(self, batch_size: int) -> int:
+    """How many micro-batches a batch of ``batch_size`` samples runs in."""
+    return self.plan_for(batch_size).num_micro_batches
+
+  def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None) -> MicroBatchPlan:
+    """Choose and cache the fewest micro-batches whose compiled train step fits ``memory_budget``.
+
+    Each candidate micro-batch size is compiled ahead of time and measured
+    with XLA's memory analysis; no step runs and nothing changes but the
+    cached choice, which is printed and kept in :attr:`memory_plans` as
+    ``{batch_size: (plan, bytes)}``.
+
+    Raises
+    ------
+    ValueError
+      If one sample per micro-batch does not fit either (the message gives
+      the smallest budget that would).
+    """
+    if self.num_micro_batch != 'auto':
+      raise ValueError(f"plan_memory needs num_micro_batch='auto'; this trainer has "
+                       f"num_micro_batch={self.num_micro_batch!r}, micro_batch_size={self.micro_batch_size!r}.")
+    layout = self.check_batch(inputs, targets)
+    batch_size = layout.batch_size
+    if batch_size not in self.memory_plans:
+      shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+      measure = lambda size: self.compiled_step_bytes(
+        plan_micro_batches(batch_size, micro_batch_size=size), shared_args, inputs, targets)
+      size, used = choose_micro_batch_size(batch_size, self.memory_budget, measure)
+      plan = plan_micro_batches(batch_size, micro_batch_size=size)
+      self.memory_plans[batch_size] = (plan, used)
+      tqdm.write(f'memory plan: {plan.describe()} ({plan.num_micro_batches} micro-batches), train step '
+                 f'{format_memory(used)} of memory_budget {format_memory(self.memory_budget)}')
+    return self.memory_plans[batch_size][0]
+
+  def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets) -> int:
+    """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
+
+    The model state enters at its current size, as :meth:`fit` leaves it before a step
+    (reset at the batch size); nothing is executed and nothing changes.
+    """
+    step = bm.jit(functools.partial(self._train_step, plan=plan), static_argnums=(0,))
+    return compiled_step_bytes(step.compile(shared_args, inputs, targets))
 
   def check_batch(self, inputs: Any, targets: Any) -> BatchLayout:
     """Check one batch and return its layout; raises ``ValueError`` before anything changes."""
@@ -153,7 +224,10 @@ class AccumBPTT(bp.BPTT):
 
   def _step_func_fit(self, shared_args, inputs, targets):
     self.trace_counts['fit'] += 1
-    grads, loss, aux = self._accumulate(shared_args, inputs, targets, with_grads=True)
+    return self._train_step(shared_args, inputs, targets)
+
+  def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None):
+    grads, loss, aux = self._accumulate(shared_args, inputs, targets, with_grads=True, plan=plan)
     self.optimizer.update(grads)
     return (loss, aux) if self.loss_has_aux else (loss,)
 
@@ -161,6 +235,13 @@ class AccumBPTT(bp.BPTT):
     self.trace_counts['loss'] += 1
     _, loss, aux = self._accumulate(shared_args, inputs, targets, with_grads=False)
     return (loss, aux) if self.loss_has_aux else loss
+
+  def _fun_predict(self, indices, *inputs, shared_args=None):
+    if not self.remat or self._memory_efficient:
+      return super()._fun_predict(indices, *inputs, shared_args=shared_args)
+    step = functools.partial(self._step_func_predict, shared_args=shared_args)
+    segment = None if self.remat is True else self.remat
+    return checkpointed_time_loop(step, indices, inputs, segment, jit=self.jit['predict'])
 
   def _loss_and_aux(self, shared_args, inputs, targets):
     out = self._step_func_loss(shared_args, inputs, targets)
@@ -195,10 +276,10 @@ class AccumBPTT(bp.BPTT):
     raise ValueError(f'Model state {name} holds {value.shape[axis]} samples along its batch axis {axis}, but '
                      f'the batch has {batch_size}. Call model.reset({batch_size}) first, or fit with reset_state=True.')
 
-  def _accumulate(self, shared_args, inputs, targets, with_grads: bool):
+  def _accumulate(self, shared_args, inputs, targets, with_grads: bool, plan: Optional[MicroBatchPlan] = None):
     """Run every micro-batch of one batch; return the combined ``(grads, loss, aux)``."""
     layout = self.check_batch(inputs, targets)
-    plan = self.plan_for(layout.batch_size)
+    plan = plan or self.plan_for(layout.batch_size)
     if plan.num_micro_batches == 1:
       return self._micro_step(shared_args, inputs, targets, with_grads)
 
@@ -218,27 +299,36 @@ class AccumBPTT(bp.BPTT):
       return out, buffer
 
     weight = (lambda n: float(n)) if self.grad_reduction == 'mean' else (lambda n: 1.)
-    size = plan.micro_batch_size
+
+    size, num_full = plan.micro_batch_size, plan.num_full
+
+    def run_short(buffer):
+      out, buffer = run(num_full * size, plan.remainder, buffer)
+      park_states(buffer)  # leave the state at the full micro-batch size, as the other branch does
+      return out, buffer
+
+    def park_states(buffer):
+      for k, var in states.items():
+        var.value = take_samples(buffer[k], state_axes[k], 0, size)
 
     def body(carry, index):
       grad_sum, buffer = carry
-      (grads, loss, aux), buffer = run(index * size, size, buffer)
+      run_full = lambda buffer: run(index * size, size, buffer)
+      if plan.remainder:
+        # The short micro-batch runs in the same loop, in a branch of its own: XLA gives
+        # the two branches the same working memory, where two loops would each get theirs.
+        (grads, loss, aux), buffer = bm.cond(index < num_full, run_full, run_short, buffer)
+      else:
+        (grads, loss, aux), buffer = run_full(buffer)
       if with_grads:
-        grad_sum = add_scaled(grad_sum, weight(size), grads)
+        grad_sum = add_scaled(grad_sum, jnp.where(index < num_full, weight(size), weight(plan.remainder)), grads)
       return (grad_sum, buffer), (loss, aux)
 
-    # The scan carries the model state at the micro-batch size.
-    for k, var in states.items():
-      var.value = take_samples(buffer[k], state_axes[k], 0, size)
-    init = (wide_zeros_like(params) if with_grads else None, buffer)
-    (grad_sum, buffer), values = bm.scan(body, init, jnp.arange(plan.num_full))
-    weights = [weight(size)] * plan.num_full
-    if plan.remainder:
-      (grads, loss, aux), buffer = run(plan.num_full * size, plan.remainder, buffer)
-      if with_grads:
-        grad_sum = add_scaled(grad_sum, weight(plan.remainder), grads)
-      values = append_entry(values, (loss, aux))
-      weights.append(weight(plan.remainder))
+    park_states(buffer)  # the scan carries the model state at the micro-batch size
+    carry = (wide_zeros_like(params) if with_grads else None, buffer)
+    carry, values = bm.scan(body, carry, jnp.arange(plan.num_micro_batches))
+    grad_sum, buffer = carry
+    weights = [weight(n) for n in plan.sizes]
     for k, var in states.items():
       var.value = buffer[k]
     loss, aux = combine_values(values, weights, self.grad_reduction)
@@ -316,6 +406,8 @@ class AccumBPTT(bp.BPTT):
         if reset_state:
           self.target.reset(layout.batch_size)
           self.reset_state()
+        if self.num_micro_batch == 'auto':
+          self.plan_memory(inputs, targets, shared_args)
         loss, aux = self._split_result(phase, step(shared_args, inputs, targets))
         log.record(loss, aux, self.plan_for(layout.batch_size).describe())
         if bar is not None:
