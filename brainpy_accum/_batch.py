@@ -42,6 +42,11 @@ class BatchLayout:
     self.target_axes = target_axes
 
 
+def _shape(x):
+  # ``.shape`` first: it also covers jax.ShapeDtypeStruct placeholders used for ahead-of-time compilation.
+  return tuple(x.shape) if hasattr(x, 'shape') else np.shape(x)
+
+
 def _describe(kind: str, path) -> str:
   return kind + jax.tree_util.keystr(path)
 
@@ -50,7 +55,7 @@ def _input_axes(inputs, data_first_axis: str):
   axis = 0 if data_first_axis == 'B' else 1
   sizes = {}
   for path, leaf in _leaves_with_paths(inputs):
-    shape = np.shape(leaf)
+    shape = _shape(leaf)
     if len(shape) <= axis:
       raise ValueError(f'{_describe("inputs", path)} has shape {shape}, which has no batch axis {axis} '
                        f'for {data_first_axis=}. Inputs are (batch, time, ...) for "B" and (time, batch, ...) for "T".')
@@ -101,7 +106,7 @@ def batch_layout(inputs, targets, data_first_axis: str, target_batch_axis: Optio
   if batch_size == 0:
     raise ValueError('The batch is empty (batch size 0): drop empty batches from the training data.')
   preferred = 0 if data_first_axis == 'B' else 1
-  axes = [_target_axis(path, np.shape(leaf), batch_size, preferred, target_batch_axis)
+  axes = [_target_axis(path, _shape(leaf), batch_size, preferred, target_batch_axis)
           for path, leaf in _leaves_with_paths(targets)]
   treedef = jax.tree_util.tree_structure(targets, is_leaf=_is_leaf)
   return BatchLayout(batch_size, input_axes, jax.tree_util.tree_unflatten(treedef, axes))

@@ -38,9 +38,11 @@ class PhaseLog:
     """Average the window, store it, and return ``(line, means)``."""
     means = {}
     for key, values in self.window.items():
-      means[key] = np.mean(np.asarray(values))
+      # One host array per window instead of one device array per batch: long runs stay flat in memory.
+      values_np = np.asarray(values)
+      means[key] = np.mean(values_np)
       self.report.setdefault(key, []).append(means[key])
-      self.detailed.setdefault(key, []).extend(values)
+      self.detailed.setdefault(key, []).extend(values_np)
       values.clear()
     elapsed = time.time() - self.started
     metrics = ', '.join(f'{k} {v}' for k, v in means.items())

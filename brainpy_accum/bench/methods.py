@@ -1,0 +1,138 @@
+"""One train step per benchmarked method, behind the same small interface.
+
+- ``bptt``: ``bp.BPTT`` on the whole batch.
+- ``accum``: ``AccumBPTT`` with ``num_micro_batch=N`` (and ``remat``).
+- ``recipe``: what a BrainPy user writes by hand: a jitted function scanning
+  ``bm.grad`` over micro-batches with ``bm.scan`` (with the two fixes that
+  brainpy 2.8.2 needs: a plain ``dict`` accumulator and the state reset at the
+  micro-batch size).
+- ``jax``: the same network in plain JAX + optax, ``lax.scan`` over time inside
+  ``lax.scan`` over micro-batches.
+"""
+
+from typing import Callable, NamedTuple
+
+import brainpy as bp
+import brainpy.math as bm
+import jax
+import jax.numpy as jnp
+import optax
+
+from ..trainer import AccumBPTT
+from .workloads import Shape, jax_loss, jax_params, make_batch, make_brainpy_model
+
+__all__ = ['Step', 'build_step']
+
+LEARNING_RATE = 1e-3
+FIT = bp.tools.DotDict(fit=True)
+
+
+class Step(NamedTuple):
+  run: Callable[[], None]          # one optimizer update, blocked until done
+  compile: Callable[[], object]    # the step compiled ahead of time (jax.stages.Compiled)
+  compilations: Callable[[], int]  # XLA executables behind the step so far
+
+
+def _block(trainer, out):
+  jax.block_until_ready((out, [v.value for v in trainer.target.train_vars().unique().values()]))
+
+
+def _trainer_step(trainer, shape: Shape, abstract_data: bool) -> Step:
+  x, y = make_batch(shape, abstract=abstract_data)
+
+  def run():
+    trainer.target.reset(shape.batch)
+    _block(trainer, trainer.f_train(FIT, x, y))
+
+  def compile_():
+    trainer.target.reset(shape.batch)
+    return trainer.f_train.compile(FIT, x, y)
+
+  return Step(run, compile_, lambda: trainer._jit_step_func_fit.jitted_fun._cache_size())
+
+
+def _mse(predicts, targets):
+  return bp.losses.mean_squared_error(predicts, targets)
+
+
+def _recipe_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
+  model = make_brainpy_model(workload, shape)
+  optimizer = bp.optim.Adam(lr=LEARNING_RATE, train_vars=model.train_vars().unique())
+  train_vars = model.train_vars().unique()
+  micro = shape.batch // num_micro_batch
+  x, y = make_batch(shape)
+  xs = x.reshape((num_micro_batch, micro) + x.shape[1:])
+  ys = y.reshape((num_micro_batch, micro) + y.shape[1:])
+
+  def loss(xb, yb):
+    outs = bm.for_loop(model.step_run, (jnp.arange(shape.time), jnp.swapaxes(xb, 0, 1)))
+    return _mse(jnp.swapaxes(outs, 0, 1), yb)
+
+  def body(acc, batch):
+    model.reset(micro)
+    grads, value = bm.grad(loss, grad_vars=train_vars, return_value=True)(*batch)
+    return {k: acc[k] + grads[k] for k in acc}, value
+
+  @bm.jit
+  def step(xs, ys):
+    zeros = {k: jnp.zeros_like(v.value) for k, v in train_vars.items()}
+    acc, losses = bm.scan(body, zeros, (xs, ys))
+    optimizer.update({k: g / num_micro_batch for k, g in acc.items()})
+    return losses.mean()
+
+  def run():
+    model.reset(micro)
+    jax.block_until_ready((step(xs, ys), [v.value for v in train_vars.values()]))
+
+  def compile_():
+    model.reset(micro)
+    return step.compile(xs, ys)
+
+  return Step(run, compile_, lambda: step.jitted_fun._cache_size())
+
+
+def _jax_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
+  tx = optax.adam(LEARNING_RATE)
+  state = {'params': jax_params(shape)}
+  state['opt'] = tx.init(state['params'])
+  x, y = make_batch(shape)
+  micro = shape.batch // num_micro_batch
+  xs = jnp.asarray(x.reshape((num_micro_batch, micro) + x.shape[1:]))
+  ys = jnp.asarray(y.reshape((num_micro_batch, micro) + y.shape[1:]))
+  grad_fn = jax.value_and_grad(lambda p, xb, yb: jax_loss(workload, p, xb, yb))
+
+  @jax.jit
+  def step(params, opt_state, xs, ys):
+    def body(acc, batch):
+      value, grads = grad_fn(params, *batch)
+      return jax.tree_util.tree_map(jnp.add, acc, grads), value
+    acc, losses = jax.lax.scan(body, jax.tree_util.tree_map(jnp.zeros_like, params), (xs, ys))
+    updates, opt_state = tx.update(jax.tree_util.tree_map(lambda g: g / num_micro_batch, acc), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, losses.mean()
+
+  def run():
+    state['params'], state['opt'], loss = step(state['params'], state['opt'], xs, ys)
+    jax.block_until_ready((state['params'], loss))
+
+  return Step(run, lambda: step.lower(state['params'], state['opt'], xs, ys).compile(),
+              lambda: step._cache_size())
+
+
+def build_step(method: str, workload: str, shape: Shape, num_micro_batch: int = 1, remat: bool = False,
+               abstract_data: bool = False) -> Step:
+  """The train step of ``method`` on ``workload`` at ``shape`` (batch = effective batch).
+
+  ``abstract_data=True`` (``bptt`` and ``accum`` only) compiles on shapes alone, for memory probes.
+  """
+  if method == 'recipe':
+    return _recipe_step(workload, shape, num_micro_batch)
+  if method == 'jax':
+    return _jax_step(workload, shape, num_micro_batch)
+  model = make_brainpy_model(workload, shape)
+  optimizer = bp.optim.Adam(lr=LEARNING_RATE)
+  if method == 'bptt':
+    trainer = bp.BPTT(model, _mse, optimizer=optimizer, progress_bar=False)
+  else:
+    trainer = AccumBPTT(model, _mse, optimizer=optimizer, num_micro_batch=num_micro_batch, remat=remat,
+                        progress_bar=False)
+  return _trainer_step(trainer, shape, abstract_data)
