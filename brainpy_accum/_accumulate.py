@@ -1,7 +1,7 @@
 """Combining the gradients, losses and metrics of micro-batches into the whole-batch ones.
 
 With ``grad_reduction='mean'`` each micro-batch enters with its weight
-``w_i`` (its sample count) and the result is ``sum_i w_i * g_i / sum_i w_i``:
+``w_i`` (its sample count, or what ``loss_weight_fn`` says) and the result is ``sum_i w_i * g_i / sum_i w_i``:
 the whole-batch gradient of a loss that is a mean over samples. With
 ``'sum'`` the weights are 1 and nothing is divided: the whole-batch gradient
 of a loss that is a sum over samples. Losses and auxiliary metrics are
@@ -12,9 +12,30 @@ Gradients are summed in at least float32, whatever the parameters' dtype.
 import jax
 import jax.numpy as jnp
 
-__all__ = ['GRAD_REDUCTIONS', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'combine_values', 'concat_stacked']
+__all__ = ['GRAD_REDUCTIONS', 'same_type', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'combine_values']
 
 GRAD_REDUCTIONS = ('mean', 'sum')
+
+try:  # keeps JAX's weak type, which a public astype() drops
+  from jax._src.lax.lax import _convert_element_type
+except ImportError:  # pragma: no cover - older or newer JAX without the private helper
+  _convert_element_type = None
+
+
+def same_type(x, like):
+  """``x`` with the dtype and weak type of ``like``.
+
+  Parameters created from Python zeros are weakly typed; an update that
+  returned them strongly typed would change the step's abstract inputs and
+  cost a second XLA compilation.
+  """
+  x, like = jnp.asarray(x), jnp.asarray(like)
+  weak = like.weak_type
+  if x.dtype == like.dtype and x.weak_type == weak:
+    return x
+  if _convert_element_type is None:
+    return x.astype(like.dtype)
+  return _convert_element_type(x, like.dtype, weak_type=weak)
 
 
 def _wide_dtype(x):
@@ -41,8 +62,7 @@ def add_scaled(total, weight, tree):
 def finish_grads(grad_sum, total_weight, reduction: str, params):
   """Divide the summed gradients by the total weight for ``'mean'`` and cast them to the parameters' dtypes."""
   def finish(g, p):
-    g = g / total_weight if reduction == 'mean' else g
-    return g if g.dtype == jnp.result_type(p) else g.astype(jnp.result_type(p))
+    return same_type(g / total_weight if reduction == 'mean' else g, p)
   return jax.tree_util.tree_map(finish, grad_sum, params)
 
 
@@ -56,8 +76,3 @@ def combine_values(values, weights, reduction: str):
   if reduction == 'sum':
     return jax.tree_util.tree_map(lambda v: _wide(v).sum(0), values)
   return jax.tree_util.tree_map(lambda v: jnp.tensordot(weights, _wide(v), axes=1) / weights.sum(), values)
-
-
-def concat_stacked(first, second):
-  """Join two pytrees of per-micro-batch values along their leading (micro-batch) axis."""
-  return jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b.astype(a.dtype)]), first, second)

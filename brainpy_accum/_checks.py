@@ -1,11 +1,15 @@
 """Eager checks of user arguments: each error names the argument, shows the value and says what to do."""
 
+import math
+import warnings
+
 
 from ._accumulate import GRAD_REDUCTIONS
 from ._plan import check_positive_int
 from ._planner import parse_memory
 
-__all__ = ['check_accumulation_args', 'check_remat', 'check_fit_args', 'check_data']
+__all__ = ['check_accumulation_args', 'check_remat', 'check_update_args', 'check_fit_args', 'check_data',
+           'warn_batch_statistics']
 
 
 def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis,
@@ -43,6 +47,34 @@ def check_remat(remat) -> None:
   if isinstance(remat, bool):
     return
   check_positive_int('remat', remat, 'Use remat=True (segments of sqrt(T) steps), an int segment length, or False.')
+
+
+def check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite) -> None:
+  """Validate ``loss_weight_fn``, ``clip_grad_norm`` and ``skip_nonfinite``."""
+  if loss_weight_fn is not None:
+    if not callable(loss_weight_fn):
+      raise TypeError(f'{loss_weight_fn=} must be callable as loss_weight_fn(inputs, targets) -> weight.')
+    if grad_reduction != 'mean':
+      raise ValueError(f"loss_weight_fn weights a mean; it does nothing with {grad_reduction=}. "
+                       f"Use grad_reduction='mean' or drop loss_weight_fn.")
+  if clip_grad_norm is not None:
+    if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)):
+      raise TypeError(f'{clip_grad_norm=} must be a positive number (the maximal global L2 norm) or None.')
+    if not math.isfinite(clip_grad_norm) or clip_grad_norm <= 0:
+      raise ValueError(f'{clip_grad_norm=} must be a positive, finite number, e.g. clip_grad_norm=1.0.')
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f'{skip_nonfinite=} must be True or False.')
+
+
+def warn_batch_statistics(model) -> None:
+  """Warn once per model class when layers keep batch statistics, which see micro-batches, not the batch."""
+  kinds = sorted({type(node).__name__ for node in model.nodes().unique().values() if 'BatchNorm' in type(node).__name__})
+  if kinds:
+    warnings.warn(f'{type(model).__name__} has batch-statistics layers ({", ".join(kinds)}): under micro-batching '
+                  f'they normalise each micro-batch with its own statistics and update their running averages once '
+                  f'per micro-batch, so training is not equivalent to whole-batch bp.BPTT. Use num_micro_batch=1 '
+                  f'with accumulate_steps, or layers without batch statistics (e.g. LayerNorm), for exact results.',
+                  UserWarning, stacklevel=3)
 
 
 def check_fit_args(num_epoch, num_report, reset_state, fun_after_report) -> None:

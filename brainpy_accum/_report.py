@@ -34,8 +34,8 @@ class PhaseLog:
       self.plan_text = plan_text
     self.steps += 1
 
-  def close_window(self, idx: int, unit: str):
-    """Average the window, store it, and return ``(line, means)``."""
+  def close_window(self, idx: int, unit: str, extra: str = ''):
+    """Average the window, store it, and return ``(line, means)``; ``extra`` is appended to the plan text."""
     means = {}
     for key, values in self.window.items():
       # One host array per window instead of one device array per batch: long runs stay flat in memory.
@@ -46,7 +46,7 @@ class PhaseLog:
       values.clear()
     elapsed = time.time() - self.started
     metrics = ', '.join(f'{k} {v}' for k, v in means.items())
-    line = f'{self.title} {idx} {unit}, use {elapsed:.4f} s, {metrics} ({self.plan_text})'
+    line = f'{self.title} {idx} {unit}, use {elapsed:.4f} s, {metrics} ({self.plan_text}{extra})'
     self.plan_text = ''
     self.started = time.time()
     return line, means

@@ -11,13 +11,16 @@ from brainpy import tools
 from brainpy.running import constants as c
 from tqdm import tqdm
 
-from ._accumulate import add_scaled, combine_values, concat_stacked, finish_grads, wide_zeros_like
+from ._accumulate import add_scaled, combine_values, finish_grads, same_type, wide_zeros_like
 from ._batch import BatchLayout, batch_layout, put_samples, take_samples
-from ._checks import check_accumulation_args, check_data, check_fit_args, check_remat
+from ._checks import check_accumulation_args, check_data, check_fit_args, check_remat, check_update_args
+from ._checks import warn_batch_statistics
 from ._plan import MicroBatchPlan, plan_micro_batches
 from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory, parse_memory
 from ._remat import checkpointed_time_loop
 from ._report import PhaseLog
+from ._update import all_finite, clip_by_global_norm, guarded_update
+from ._window import GradWindow, check_accumulate_steps, steps_for_epoch, with_last_flag
 
 __all__ = ['AccumBPTT']
 
@@ -70,6 +73,26 @@ class AccumBPTT(bp.BPTT):
     to axis 0 for leaves whose preferred axis does not hold the batch.
   memory_budget : int or str, optional
     With ``num_micro_batch='auto'``: bytes, or a string like ``'512MiB'`` or ``'2GiB'``.
+  accumulate_steps : int or dict
+    Also accumulate across batches: one optimizer update every ``k`` batches
+    of the data iterator (and at the last batch of each epoch), weighted by
+    what each batch held, so ``k`` batches of ``b`` samples give the update of
+    one batch of ``k * b``. A dict ``{first_epoch: k}`` changes ``k`` by epoch
+    (``{0: 1, 5: 4}``). The running sums live in Variables on the device.
+  loss_weight_fn : callable, optional
+    ``loss_weight_fn(inputs, targets) -> weight`` of a (micro-)batch, for
+    losses normalised by something other than the sample count, e.g. the
+    number of valid time steps of a masked loss. Each micro-batch's gradient
+    is weighted by it and the total divided by the batch's total weight: the
+    gradient of the whole batch's normalised loss. ``'mean'`` only.
+  clip_grad_norm : float, optional
+    Clip the combined gradient (after all micro-batches and batches of an
+    update) to this global L2 norm, once per optimizer update.
+  skip_nonfinite : bool
+    Skip an update whose gradient holds a NaN or an infinity: parameters,
+    optimizer state and the learning-rate step stay exactly as before, the
+    skip is counted in :attr:`skipped_steps` and shown in the report line.
+    With ``accumulate_steps`` a non-finite batch is left out of its window.
   remat : bool or int
     Rematerialise over time: ``True`` checkpoints the time loop every
     ``round(sqrt(T))`` steps, an int every that many steps, so that the
@@ -116,10 +139,16 @@ class AccumBPTT(bp.BPTT):
       target_batch_axis: Optional[int] = None,
       memory_budget: Union[int, str, None] = None,
       remat: Union[bool, int] = False,
+      accumulate_steps: Union[int, Dict[int, int]] = 1,
+      loss_weight_fn: Optional[Callable] = None,
+      clip_grad_norm: Optional[float] = None,
+      skip_nonfinite: bool = False,
       **kwargs,
   ):
     check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
     check_remat(remat)
+    check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite)
+    accumulate_steps = check_accumulate_steps(accumulate_steps)
     super().__init__(target, loss_fun, optimizer=optimizer, **kwargs)
     self.num_micro_batch = num_micro_batch
     self.micro_batch_size = micro_batch_size
@@ -128,8 +157,17 @@ class AccumBPTT(bp.BPTT):
     self.remat = remat
     self.memory_budget = None if memory_budget is None else parse_memory(memory_budget)
     self.memory_plans: Dict[int, Tuple[MicroBatchPlan, int]] = {}
+    self.accumulate_steps = accumulate_steps
+    self.loss_weight_fn = loss_weight_fn
+    self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+    self.skip_nonfinite = skip_nonfinite
+    self.skipped_steps = bm.Variable(jnp.zeros((), jnp.int32))
+    params = self.target.train_vars().unique()
+    self._window = None if accumulate_steps == 1 else GradWindow(params)
     self.trace_counts = {'fit': 0, 'loss': 0}
     self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
+    self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
+    warn_batch_statistics(self.target)
 
   def __repr__(self):
     return (f'{self.__class__.__name__}(target={self.target}, num_micro_batch={self.num_micro_batch}, '
@@ -222,18 +260,43 @@ class AccumBPTT(bp.BPTT):
     """The micro-batched evaluation step (jitted unless ``jit`` says otherwise)."""
     return self._jit_step_func_eval if self.jit[c.LOSS_PHASE] else self._step_func_eval
 
+  @property
+  def f_collect(self):
+    """The train step that adds a batch to the ``accumulate_steps`` window without updating."""
+    return self._jit_step_func_collect if self.jit[c.FIT_PHASE] else self._step_func_collect
+
   def _step_func_fit(self, shared_args, inputs, targets):
     self.trace_counts['fit'] += 1
     return self._train_step(shared_args, inputs, targets)
 
-  def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None):
-    grads, loss, aux = self._accumulate(shared_args, inputs, targets, with_grads=True, plan=plan)
-    self.optimizer.update(grads)
+  def _step_func_collect(self, shared_args, inputs, targets):
+    self.trace_counts['fit'] += 1
+    return self._train_step(shared_args, inputs, targets, update=False)
+
+  def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True):
+    grads, weight, loss, aux = self._accumulate(shared_args, inputs, targets, with_grads=True, plan=plan)
+    finite = all_finite(grads) if self.skip_nonfinite else None
+    if self._window is not None:
+      self._window.add(grads, weight, keep=finite)
+      if update:
+        grads, weight = self._window.close(self.grad_reduction)
+        self._apply_update(grads, (weight > 0) if self.skip_nonfinite else None)
+      elif self.skip_nonfinite:
+        self.skipped_steps.value += jnp.where(finite, 0, 1).astype(self.skipped_steps.dtype)
+    else:
+      self._apply_update(grads, finite)
     return (loss, aux) if self.loss_has_aux else (loss,)
+
+  def _apply_update(self, grads, apply) -> None:
+    params = self.target.train_vars().unique()
+    grads = {k: same_type(g, params[k].value) for k, g in grads.items()}
+    if self.clip_grad_norm is not None:
+      grads = clip_by_global_norm(grads, self.clip_grad_norm)
+    guarded_update(self.optimizer, dict(params), grads, apply, self.skipped_steps)
 
   def _step_func_eval(self, shared_args, inputs, targets):
     self.trace_counts['loss'] += 1
-    _, loss, aux = self._accumulate(shared_args, inputs, targets, with_grads=False)
+    _, _, loss, aux = self._accumulate(shared_args, inputs, targets, with_grads=False)
     return (loss, aux) if self.loss_has_aux else loss
 
   def _fun_predict(self, indices, *inputs, shared_args=None):
@@ -253,14 +316,22 @@ class AccumBPTT(bp.BPTT):
                       f'its second item is a {type(aux).__name__}.')
     return loss, aux
 
-  def _micro_step(self, shared_args, inputs, targets, with_grads: bool):
-    """``(grads or None, loss, aux)`` of one micro-batch, from the current model state."""
+  def _micro_weight(self, inputs, targets, size: int):
+    if self.grad_reduction == 'sum':
+      return jnp.ones((), jnp.float32)
+    if self.loss_weight_fn is None:
+      return jnp.asarray(size, jnp.float32)
+    return jnp.asarray(self.loss_weight_fn(inputs, targets), jnp.float32)
+
+  def _micro_step(self, shared_args, inputs, targets, size: int, with_grads: bool):
+    """``(grads or None, loss, aux, weight)`` of one micro-batch of ``size`` samples, from the current state."""
+    weight = self._micro_weight(inputs, targets, size)
     if not with_grads:
-      return (None,) + tuple(self._loss_and_aux(shared_args, inputs, targets))
+      return (None,) + tuple(self._loss_and_aux(shared_args, inputs, targets)) + (weight,)
     grad_fn = bm.grad(self._loss_and_aux, grad_vars=self.target.train_vars().unique(),
                       return_value=True, has_aux=True)
     grads, loss, aux = grad_fn(shared_args, inputs, targets)
-    return {k: bm.as_jax(g) for k, g in grads.items()}, loss, aux
+    return {k: bm.as_jax(g) for k, g in grads.items()}, loss, aux, weight
 
   def _batched_states(self) -> Dict[str, bm.Variable]:
     return {k: v for k, v in self.target.vars().unique().items()
@@ -277,16 +348,22 @@ class AccumBPTT(bp.BPTT):
                      f'the batch has {batch_size}. Call model.reset({batch_size}) first, or fit with reset_state=True.')
 
   def _accumulate(self, shared_args, inputs, targets, with_grads: bool, plan: Optional[MicroBatchPlan] = None):
-    """Run every micro-batch of one batch; return the combined ``(grads, loss, aux)``."""
+    """Run every micro-batch of one batch; return its combined ``(grads, weight, loss, aux)``.
+
+    ``grads`` is the weighted mean of the micro-batch gradients (their sum for
+    ``'sum'``) and ``weight`` the batch's total weight, for windows across batches.
+    """
     layout = self.check_batch(inputs, targets)
     plan = plan or self.plan_for(layout.batch_size)
     if plan.num_micro_batches == 1:
-      return self._micro_step(shared_args, inputs, targets, with_grads)
+      grads, loss, aux, weight = self._micro_step(shared_args, inputs, targets, plan.batch_size, with_grads)
+      return grads, weight, loss, aux
 
     states = self._batched_states()
     state_axes = {k: v.batch_axis for k, v in states.items()}
     buffer = {k: self._state_for_batch(k, v, plan.batch_size) for k, v in states.items()}
     params = {k: v.value for k, v in self.target.train_vars().unique().items()}
+    size, num_full = plan.micro_batch_size, plan.num_full
 
     def run(start, size, buffer):
       # Each micro-batch starts from its own samples of the batch's model state and
@@ -294,22 +371,18 @@ class AccumBPTT(bp.BPTT):
       for k, var in states.items():
         var.value = take_samples(buffer[k], state_axes[k], start, size)
       out = self._micro_step(shared_args, take_samples(inputs, layout.input_axes, start, size),
-                             take_samples(targets, layout.target_axes, start, size), with_grads)
+                             take_samples(targets, layout.target_axes, start, size), size, with_grads)
       buffer = put_samples(buffer, state_axes, start, {k: var.value for k, var in states.items()})
-      return out, buffer
-
-    weight = (lambda n: float(n)) if self.grad_reduction == 'mean' else (lambda n: 1.)
-
-    size, num_full = plan.micro_batch_size, plan.num_full
-
-    def run_short(buffer):
-      out, buffer = run(num_full * size, plan.remainder, buffer)
-      park_states(buffer)  # leave the state at the full micro-batch size, as the other branch does
       return out, buffer
 
     def park_states(buffer):
       for k, var in states.items():
         var.value = take_samples(buffer[k], state_axes[k], 0, size)
+
+    def run_short(buffer):
+      out, buffer = run(num_full * size, plan.remainder, buffer)
+      park_states(buffer)  # leave the state at the full micro-batch size, as the other branch does
+      return out, buffer
 
     def body(carry, index):
       grad_sum, buffer = carry
@@ -317,23 +390,22 @@ class AccumBPTT(bp.BPTT):
       if plan.remainder:
         # The short micro-batch runs in the same loop, in a branch of its own: XLA gives
         # the two branches the same working memory, where two loops would each get theirs.
-        (grads, loss, aux), buffer = bm.cond(index < num_full, run_full, run_short, buffer)
+        (grads, loss, aux, weight), buffer = bm.cond(index < num_full, run_full, run_short, buffer)
       else:
-        (grads, loss, aux), buffer = run_full(buffer)
+        (grads, loss, aux, weight), buffer = run_full(buffer)
       if with_grads:
-        grad_sum = add_scaled(grad_sum, jnp.where(index < num_full, weight(size), weight(plan.remainder)), grads)
-      return (grad_sum, buffer), (loss, aux)
+        grad_sum = add_scaled(grad_sum, weight, grads)
+      return (grad_sum, buffer), (loss, aux, weight)
 
     park_states(buffer)  # the scan carries the model state at the micro-batch size
     carry = (wide_zeros_like(params) if with_grads else None, buffer)
-    carry, values = bm.scan(body, carry, jnp.arange(plan.num_micro_batches))
-    grad_sum, buffer = carry
-    weights = [weight(n) for n in plan.sizes]
+    (grad_sum, buffer), (losses, auxs, weights) = bm.scan(body, carry, jnp.arange(plan.num_micro_batches))
     for k, var in states.items():
       var.value = buffer[k]
-    loss, aux = combine_values(values, weights, self.grad_reduction)
-    grads = finish_grads(grad_sum, sum(weights), self.grad_reduction, params) if with_grads else None
-    return grads, loss, aux
+    loss, aux = combine_values((losses, auxs), weights, self.grad_reduction)
+    total = weights.sum()
+    grads = finish_grads(grad_sum, total, self.grad_reduction, params) if with_grads else None
+    return grads, total, loss, aux
 
   # ------------------------------------------------------------------ training loop
 
@@ -399,17 +471,18 @@ class AccumBPTT(bp.BPTT):
                  show_bars):
     batches = data() if callable(data) else data
     bar = tqdm(total=len(cast(Sized, batches))) if show_bars and hasattr(batches, '__len__') else None
-    step = self.f_train if phase == 'fit' else self.f_loss
+    window = steps_for_epoch(self.accumulate_steps, epoch) if phase == 'fit' else 1
     try:
-      for inputs, targets in batches:
+      for position, ((inputs, targets), last) in enumerate(with_last_flag(batches)):
         layout = self.check_batch(inputs, targets)
         if reset_state:
           self.target.reset(layout.batch_size)
           self.reset_state()
         if self.num_micro_batch == 'auto':
           self.plan_memory(inputs, targets, shared_args)
+        step = self._step_for(phase, update=last or (position + 1) % window == 0)
         loss, aux = self._split_result(phase, step(shared_args, inputs, targets))
-        log.record(loss, aux, self.plan_for(layout.batch_size).describe())
+        log.record(loss, aux, self._describe(layout.batch_size, window))
         if bar is not None:
           bar.update(1)
         if num_report > 0 and log.steps % num_report == 0:
@@ -420,14 +493,23 @@ class AccumBPTT(bp.BPTT):
       if bar is not None:
         bar.close()
 
+  def _step_for(self, phase: str, update: bool):
+    if phase != 'fit':
+      return self.f_loss
+    return self.f_train if update else self.f_collect
+
+  def _describe(self, batch_size: int, window: int) -> str:
+    text = self.plan_for(batch_size).describe()
+    return text + (f', {window} batches per update' if window > 1 else '')
+
   def _split_result(self, phase: str, result) -> Tuple[Any, dict]:
     if phase == 'fit':
       return result[0], (result[1] if self.loss_has_aux else {})
     return result if self.loss_has_aux else (result, {})
 
-  @staticmethod
-  def _emit(log: PhaseLog, idx: int, unit: str, phase: str, bar, fun_after_report) -> None:
-    line, means = log.close_window(idx, unit)
+  def _emit(self, log: PhaseLog, idx: int, unit: str, phase: str, bar, fun_after_report) -> None:
+    extra = f', skipped {int(self.skipped_steps.value)} non-finite' if self.skip_nonfinite and phase == 'fit' else ''
+    line, means = log.close_window(idx, unit, extra)
     if bar is not None:
       bar.set_description(line, refresh=True)
     else:

@@ -1,0 +1,85 @@
+"""Accumulation across batches: ``accumulate_steps`` batches from the data iterator, one optimizer update.
+
+The running sums live in BrainPy Variables, so they stay on the device and
+inside the compiled step. A window closes after ``k`` batches or at the last
+batch of an epoch, whichever comes first, and is weighted by what it held:
+a short last window is neither under- nor over-weighted, and nothing carries
+into the next epoch.
+"""
+
+from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
+
+import brainpy.math as bm
+import jax.numpy as jnp
+
+from ._accumulate import add_scaled, wide_zeros_like
+from ._plan import check_positive_int
+
+__all__ = ['GradWindow', 'check_accumulate_steps', 'steps_for_epoch', 'with_last_flag']
+
+
+def check_accumulate_steps(value) -> Union[int, Dict[int, int]]:
+  """An int ``k >= 1``, or an epoch schedule ``{first_epoch: k}`` like Lightning's ``GradientAccumulationScheduler``."""
+  if isinstance(value, dict):
+    if not value:
+      raise ValueError('accumulate_steps={} is empty: give e.g. {0: 1, 5: 4} (from epoch 5 on, 4 batches per update).')
+    for epoch, k in value.items():
+      if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f'accumulate_steps={value!r}: the key {epoch!r} must be an epoch index (int >= 0).')
+      check_positive_int(f'accumulate_steps[{epoch}]', k, 'Each value is the number of batches per update.')
+    return dict(sorted(value.items()))
+  return check_positive_int('accumulate_steps', value, 'Pass e.g. accumulate_steps=4 or {0: 1, 5: 4}.')
+
+
+def steps_for_epoch(schedule: Union[int, Dict[int, int]], epoch: int) -> int:
+  """Batches per update in ``epoch``: the value of the last schedule key ``<= epoch`` (1 before the first key)."""
+  if isinstance(schedule, int):
+    return schedule
+  return next((k for start, k in reversed(schedule.items()) if start <= epoch), 1)
+
+
+def with_last_flag(items: Iterable) -> Iterator[Tuple[object, bool]]:
+  """Yield ``(item, is_last)``, looking one item ahead."""
+  iterator = iter(items)
+  try:
+    previous = next(iterator)
+  except StopIteration:
+    return
+  for item in iterator:
+    yield previous, False
+    previous = item
+  yield previous, True
+
+
+class GradWindow:
+  """Sum of weighted batch gradients and of their weights since the last update, in Variables."""
+
+  def __init__(self, params: Dict[str, bm.Variable]):
+    self.grads = bm.VarDict({k: bm.Variable(z) for k, z in wide_zeros_like(
+      {k: v.value for k, v in params.items()}).items()})
+    self.weight = bm.Variable(jnp.zeros((), jnp.float32))
+
+  def add(self, grads: Dict, weight, keep: Optional[object] = None) -> None:
+    """Add one batch's gradients (a mean over it) with its weight; ``keep=False`` drops them."""
+    weight = jnp.asarray(weight, jnp.float32)
+    if keep is not None:
+      weight = jnp.where(keep, weight, 0.)
+      grads = {k: jnp.where(keep, g, jnp.zeros_like(g)) for k, g in grads.items()}
+    sums = add_scaled({k: v.value for k, v in self.grads.items()}, weight, grads)
+    for k, var in self.grads.items():
+      var.value = sums[k]
+    self.weight.value += weight
+
+  def close(self, reduction: str):
+    """Return ``(grads, weight)`` for the window and empty it. Mean grads for ``'mean'``, sums for ``'sum'``."""
+    weight = self.weight.value
+    divide = jnp.where(weight > 0, weight, 1.) if reduction == 'mean' else 1.
+    grads = {k: v.value / divide for k, v in self.grads.items()}
+    for var in self.grads.values():
+      var.value = jnp.zeros_like(var.value)
+    self.weight.value = jnp.zeros_like(self.weight.value)
+    return grads, weight
+
+  def variables(self) -> Dict[str, bm.Variable]:
+    """The window's Variables by name, for checkpoints."""
+    return {**{f'grads/{k}': v for k, v in self.grads.items()}, 'weight': self.weight}
