@@ -23,12 +23,11 @@ def clip_by_global_norm(grads: Dict, max_norm: float) -> Dict:
   return {k: same_type(g * scale, g) for k, g in grads.items()}
 
 
-def guarded_update(optimizer, params: Dict[str, bm.Variable], grads: Dict, apply: Optional[jax.Array],
-                   skipped: Optional[bm.Variable]) -> None:
+def guarded_update(optimizer, params: Dict[str, bm.Variable], grads: Dict, apply: Optional[jax.Array]) -> None:
   """``optimizer.update(grads)``; with ``apply`` given, every Variable it touches is kept as it was where ``apply`` is False.
 
   Parameters, optimizer moments and the learning-rate step counter all stay
-  bit-for-bit unchanged on a skipped update, and ``skipped`` is incremented.
+  bit-for-bit unchanged on a skipped update.
   """
   if apply is None:
     optimizer.update(grads)
@@ -39,4 +38,3 @@ def guarded_update(optimizer, params: Dict[str, bm.Variable], grads: Dict, apply
   optimizer.update({k: jnp.where(apply, g, jnp.zeros_like(g)) for k, g in grads.items()})
   for k, var in touched.items():
     var.value = same_type(jnp.where(apply, var.value, before[k]), before[k])
-  skipped.value += jnp.where(apply, 0, 1).astype(skipped.dtype)

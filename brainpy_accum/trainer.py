@@ -12,6 +12,7 @@ from brainpy.running import constants as c
 from tqdm import tqdm
 
 from ._accumulate import add_scaled, combine_values, finish_grads, same_type, wide_zeros_like
+from ._checkpoint import load as load_checkpoint_file, save as save_checkpoint_file
 from ._batch import BatchLayout, batch_layout, put_samples, take_samples
 from ._checks import check_accumulation_args, check_data, check_fit_args, check_remat, check_update_args
 from ._checks import warn_batch_statistics
@@ -92,7 +93,8 @@ class AccumBPTT(bp.BPTT):
     Skip an update whose gradient holds a NaN or an infinity: parameters,
     optimizer state and the learning-rate step stay exactly as before, the
     skip is counted in :attr:`skipped_steps` and shown in the report line.
-    With ``accumulate_steps`` a non-finite batch is left out of its window.
+    With ``accumulate_steps`` a non-finite batch is left out of its window
+    (and counted); the rest of the window still makes its update.
   remat : bool or int
     Rematerialise over time: ``True`` checkpoints the time loop every
     ``round(sqrt(T))`` steps, an int every that many steps, so that the
@@ -253,6 +255,30 @@ class AccumBPTT(bp.BPTT):
     """Check one batch and return its layout; raises ``ValueError`` before anything changes."""
     return batch_layout(inputs, targets, self.data_first_axis, self.target_batch_axis)
 
+  # ------------------------------------------------------------------ checkpoints
+
+  def save_checkpoint(self, path: str) -> str:
+    """Save parameters, model state, optimizer state (learning-rate step included), accumulation counters and
+    BrainPy's global random state to ``path``, atomically (temporary file, then rename).
+
+    :meth:`save_state` / :meth:`load_state` and ``state_dict`` keep their BrainPy meanings.
+
+    Examples
+    --------
+    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> path = trainer.save_checkpoint(os.path.join(tempfile.mkdtemp(), 'run.ckpt'))
+    >>> trainer.load_checkpoint(path)
+    """
+    return save_checkpoint_file(self, path)
+
+  def load_checkpoint(self, path: str) -> None:
+    """Restore what :meth:`save_checkpoint` wrote; a corrupt or mismatched file raises and changes nothing."""
+    load_checkpoint_file(self, path)
+
   # ------------------------------------------------------------------ compiled steps
 
   @property
@@ -276,23 +302,28 @@ class AccumBPTT(bp.BPTT):
   def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True):
     grads, weight, loss, aux = self._accumulate(shared_args, inputs, targets, with_grads=True, plan=plan)
     finite = all_finite(grads) if self.skip_nonfinite else None
-    if self._window is not None:
+    if self._window is None:
+      self._apply_update(grads, finite)
+    else:
       self._window.add(grads, weight, keep=finite)
+      if self.skip_nonfinite:
+        self._count_skipped(finite)
       if update:
         grads, weight = self._window.close(self.grad_reduction)
-        self._apply_update(grads, (weight > 0) if self.skip_nonfinite else None)
-      elif self.skip_nonfinite:
-        self.skipped_steps.value += jnp.where(finite, 0, 1).astype(self.skipped_steps.dtype)
-    else:
-      self._apply_update(grads, finite)
+        self._apply_update(grads, (weight > 0) if self.skip_nonfinite else None, count=False)
     return (loss, aux) if self.loss_has_aux else (loss,)
 
-  def _apply_update(self, grads, apply) -> None:
+  def _apply_update(self, grads, apply, count: bool = True) -> None:
     params = self.target.train_vars().unique()
     grads = {k: same_type(g, params[k].value) for k, g in grads.items()}
     if self.clip_grad_norm is not None:
       grads = clip_by_global_norm(grads, self.clip_grad_norm)
-    guarded_update(self.optimizer, dict(params), grads, apply, self.skipped_steps)
+    guarded_update(self.optimizer, dict(params), grads, apply)
+    if apply is not None and count:
+      self._count_skipped(apply)
+
+  def _count_skipped(self, finite) -> None:
+    self.skipped_steps.value += jnp.where(finite, 0, 1).astype(self.skipped_steps.dtype)
 
   def _step_func_eval(self, shared_args, inputs, targets):
     self.trace_counts['loss'] += 1

@@ -88,5 +88,5 @@ def mse_with_aux(predicts, targets):
 
 
 def optimizer_state(trainer):
-  """Every Variable of the optimizer (moments, step counters) as NumPy arrays."""
-  return {k: np.asarray(v) for k, v in trainer.optimizer.vars().unique().items()}
+  """Every Variable of the optimizer (moments, step counters) as NumPy arrays, in a stable order."""
+  return [np.asarray(v) for v in trainer.optimizer.vars().unique().values()]

@@ -1,0 +1,119 @@
+"""Saving and restoring a trainer: parameters, model state, optimizer state, accumulation counters, random state.
+
+Files are written with BrainPy's own :func:`brainpy.checkpoints.save_pytree`
+(msgpack) to a temporary name beside the target and renamed into place, so a
+crash never leaves a half-written checkpoint. Loading checks the whole file
+against the trainer (format, counts, shapes, dtypes) before assigning
+anything: a corrupt or mismatched file raises and leaves the trainer as it was.
+Variables are matched by position in BrainPy's traversal order, not by their
+auto-generated names, which differ between processes that build other
+objects first.
+"""
+
+import os
+from typing import Dict
+
+import brainpy as bp
+import brainpy.math as bm
+import jax
+import numpy as np
+
+__all__ = ['FORMAT', 'checkpoint_groups', 'save', 'load']
+
+FORMAT = 'brainpy_accum.checkpoint.v1'
+
+
+def checkpoint_groups(trainer) -> Dict[str, Dict[str, bm.Variable]]:
+  """Every Variable a checkpoint holds, by group, in a stable order."""
+  params = dict(trainer.target.train_vars().unique())
+  taken = {id(v) for v in params.values()}
+  model_state = {k: v for k, v in trainer.target.vars().unique().items() if id(v) not in taken}
+  taken |= {id(v) for v in model_state.values()}
+  optimizer = {k: v for k, v in trainer.optimizer.vars().unique().items() if id(v) not in taken}
+  counters = {'skipped_steps': trainer.skipped_steps}
+  if trainer._window is not None:
+    counters.update({f'window/{k}': v for k, v in trainer._window.variables().items()})
+  return {'params': params, 'model_state': model_state, 'optimizer': optimizer, 'counters': counters,
+          'random': {'default': bm.random.DEFAULT}}
+
+
+def _key(i: int) -> str:
+  return f'{i:05d}'
+
+
+def _is_prng_key(value) -> bool:
+  return jax.dtypes.issubdtype(getattr(value, 'dtype', None), jax.dtypes.prng_key)
+
+
+def _to_host(value) -> np.ndarray:
+  """A NumPy array of ``value``; typed PRNG keys as their raw key data."""
+  value = bm.as_jax(value)
+  return np.asarray(jax.random.key_data(value) if _is_prng_key(value) else value)
+
+
+def _from_host(stored, current):
+  """``stored`` in the form of ``current`` (re-wrapping raw key data as a typed PRNG key)."""
+  current = bm.as_jax(current)
+  if _is_prng_key(current):
+    return jax.random.wrap_key_data(np.asarray(stored), impl=jax.random.key_impl(current))
+  return np.asarray(stored)
+
+
+def save(trainer, path: str) -> str:
+  """Write the trainer's checkpoint to ``path`` atomically; return ``path``."""
+  groups = checkpoint_groups(trainer)
+  tree = {'format': FORMAT,
+          'values': {g: {_key(i): _to_host(v.value) for i, v in enumerate(vs.values())} for g, vs in groups.items()},
+          'names': {g: {_key(i): name for i, name in enumerate(vs)} for g, vs in groups.items()}}
+  path = os.fspath(path)
+  temporary = f'{path}.tmp-{os.getpid()}'
+  try:
+    bp.checkpoints.save_pytree(temporary, tree, overwrite=True, verbose=False)
+    os.replace(temporary, path)
+  finally:
+    if os.path.exists(temporary):
+      os.remove(temporary)
+  return path
+
+
+def _read(path: str) -> dict:
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'No checkpoint at path={path!r}: save one with trainer.save_checkpoint(path).')
+  try:
+    tree = bp.checkpoints.load_pytree(path)
+  except Exception as error:
+    raise ValueError(f'path={path!r} is not a readable checkpoint ({error}). Nothing was loaded.') from error
+  if not isinstance(tree, dict) or tree.get('format') != FORMAT:
+    raise ValueError(f'path={path!r} is not a {FORMAT} checkpoint written by AccumBPTT.save_checkpoint. '
+                     f'Nothing was loaded.')
+  return tree
+
+
+def _check_group(path, group, variables, stored) -> None:
+  if len(stored) != len(variables):
+    raise ValueError(f'Checkpoint path={path!r} holds {len(stored)} {group} variables, this trainer has '
+                     f'{len(variables)}: it was saved from another model or configuration. Nothing was loaded.')
+  for i, (name, var) in enumerate(variables.items()):
+    value, current = np.asarray(stored[_key(i)]), _to_host(var.value)
+    axis = getattr(var, 'batch_axis', None)
+    shape, expected = list(value.shape), list(current.shape)
+    if axis is not None and len(shape) == len(expected):
+      shape[axis] = expected[axis] = None  # the model state may be saved at another batch size
+    if shape != expected or value.dtype != current.dtype:
+      raise ValueError(f'Checkpoint path={path!r} does not fit {group} variable {name}: stored '
+                       f'{value.dtype}{list(value.shape)}, expected {current.dtype}{list(current.shape)}. '
+                       f'Nothing was loaded.')
+
+
+def load(trainer, path: str) -> None:
+  """Restore ``trainer`` from ``path``; raises before assigning anything if the file does not fit."""
+  path = os.fspath(path)
+  tree = _read(path)
+  groups = checkpoint_groups(trainer)
+  for group, variables in groups.items():
+    if group not in tree['values']:
+      raise ValueError(f'Checkpoint path={path!r} lacks the {group} group. Nothing was loaded.')
+    _check_group(path, group, variables, tree['values'][group])
+  for group, variables in groups.items():
+    for i, var in enumerate(variables.values()):
+      var.value = _from_host(tree['values'][group][_key(i)], var.value)
