@@ -23,6 +23,13 @@ class MicroBatchPlan(NamedTuple):
     Number of full micro-batches.
   remainder : int
     Samples in the one short micro-batch that follows the full ones (0 for none).
+
+  Examples
+  --------
+  >>> from brainpy_accum import MicroBatchPlan
+  >>> plan = MicroBatchPlan(batch_size=10, micro_batch_size=4, num_full=2, remainder=2)
+  >>> plan.num_micro_batches, plan.sizes
+  (3, (4, 4, 2))
   """
   batch_size: int
   micro_batch_size: int

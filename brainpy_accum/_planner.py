@@ -51,7 +51,21 @@ def format_memory(num_bytes: int) -> str:
 
 
 def compiled_step_bytes(compiled) -> int:
-  """Memory of a compiled step: arguments, outputs and temporaries, less buffers aliased in place."""
+  """Memory of a compiled step: arguments, outputs and temporaries, less buffers aliased in place.
+
+  Parameters
+  ----------
+  compiled : jax.stages.Compiled
+    What ``jax.jit(f).lower(...).compile()`` (or a BrainPy trainer's ``f_train.compile(...)``) returns.
+
+  Examples
+  --------
+  >>> import jax, jax.numpy as jnp
+  >>> from brainpy_accum import compiled_step_bytes
+  >>> compiled = jax.jit(lambda x: x * 2).lower(jnp.ones(1024, jnp.float32)).compile()
+  >>> compiled_step_bytes(compiled) >= 2 * 4096  # the argument and the output
+  True
+  """
   stats = compiled.memory_analysis()
   return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
           - stats.alias_size_in_bytes)

@@ -178,7 +178,22 @@ class AccumBPTT(bp.BPTT):
 
   @property
   def compilations(self) -> Dict[str, int]:
-    """XLA executables compiled so far for the train (``'fit'``) and evaluation (``'loss'``) steps."""
+    """XLA executables compiled so far for the train (``'fit'``) and evaluation (``'loss'``) steps.
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(3, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2, progress_bar=False)
+    >>> trainer.fit([(np.ones((4, 5, 3), 'float32'), np.ones((4, 5, 2), 'float32'))] * 3, num_epoch=2)
+    ... # doctest: +ELLIPSIS
+    Train 0 epoch, ...
+    Train 1 epoch, ...
+    >>> trainer.compilations
+    {'fit': 1, 'loss': 0}
+    """
     return {'fit': self._jit_step_func_fit.jitted_fun._cache_size(),
             'loss': self._jit_step_func_eval.jitted_fun._cache_size()}
 
@@ -209,7 +224,17 @@ class AccumBPTT(bp.BPTT):
     return self.memory_plans[batch_size][0]
 
   def num_micro_batch_for(self, batch_size: int) -> int:
-    """How many micro-batches a batch of ``batch_size`` samples runs in."""
+    """How many micro-batches a batch of ``batch_size`` samples runs in.
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> AccumBPTT(model, 'mean_squared_error', micro_batch_size=4).num_micro_batch_for(10)
+    3
+    """
     return self.plan_for(batch_size).num_micro_batches
 
   def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None) -> MicroBatchPlan:
@@ -225,6 +250,19 @@ class AccumBPTT(bp.BPTT):
     ValueError
       If one sample per micro-batch does not fit either (the message gives
       the smallest budget that would).
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 16), bp.dnn.Dense(16, 2))
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch='auto', memory_budget='64KiB')
+    >>> x, y = np.ones((32, 20, 3), 'float32'), np.zeros((32, 20, 2), 'float32')
+    >>> plan = trainer.plan_memory(x, y)  # doctest: +ELLIPSIS
+    memory plan: batch 32 = ... micro-batches), train step ... of memory_budget 64.0 KiB
+    >>> trainer.memory_plans[32][1] <= 64 * 1024
+    True
     """
     if self.num_micro_batch != 'auto':
       raise ValueError(f"plan_memory needs num_micro_batch='auto'; this trainer has "
@@ -252,7 +290,21 @@ class AccumBPTT(bp.BPTT):
     return compiled_step_bytes(step.compile(shared_args, inputs, targets))
 
   def check_batch(self, inputs: Any, targets: Any) -> BatchLayout:
-    """Check one batch and return its layout; raises ``ValueError`` before anything changes."""
+    """Check one batch and return its layout; raises ``ValueError`` before anything changes.
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(3, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> trainer.check_batch(np.ones((8, 5, 3)), np.ones((8, 5, 2))).batch_size
+    8
+    >>> trainer.check_batch(np.ones((8, 5, 3)), np.ones((6, 5, 2)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: targets has shape (6, 5, 2), but the inputs hold batch_size=8 samples ...
+    """
     return batch_layout(inputs, targets, self.data_first_axis, self.target_batch_axis)
 
   # ------------------------------------------------------------------ checkpoints
@@ -276,7 +328,19 @@ class AccumBPTT(bp.BPTT):
     return save_checkpoint_file(self, path)
 
   def load_checkpoint(self, path: str) -> None:
-    """Restore what :meth:`save_checkpoint` wrote; a corrupt or mismatched file raises and changes nothing."""
+    """Restore what :meth:`save_checkpoint` wrote; a corrupt or mismatched file raises and changes nothing.
+
+    Examples
+    --------
+    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> trainer.load_checkpoint(os.path.join(tempfile.mkdtemp(), 'missing.ckpt'))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    FileNotFoundError: No checkpoint at path=...
+    """
     load_checkpoint_file(self, path)
 
   # ------------------------------------------------------------------ compiled steps
