@@ -11,10 +11,9 @@ from typing import Any, Optional
 
 import brainpy.math as bm
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-__all__ = ['BatchLayout', 'batch_layout', 'take_samples', 'put_samples', 'concat_samples']
+__all__ = ['BatchLayout', 'batch_layout', 'take_samples', 'put_samples']
 
 
 def _is_leaf(x) -> bool:
@@ -124,8 +123,3 @@ def put_samples(tree, axes, start, values):
   return jax.tree_util.tree_map(
     lambda x, axis, v: jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), start, axis=axis),
     tree, axes, values, is_leaf=_is_leaf)
-
-
-def concat_samples(first, second, axes):
-  """Join two trees of arrays along their batch axes."""
-  return jax.tree_util.tree_map(lambda a, b, axis: jnp.concatenate([a, b], axis=axis), first, second, axes)

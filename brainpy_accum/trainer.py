@@ -1,7 +1,7 @@
 """``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation over micro-batches inside one compiled step."""
 
 import functools
-from typing import Any, Callable, Dict, Iterable, Optional, Sized, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import brainpy as bp
 import brainpy.math as bm
@@ -19,9 +19,10 @@ from ._checks import warn_batch_statistics
 from ._plan import MicroBatchPlan, plan_micro_batches
 from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory, parse_memory
 from ._remat import checkpointed_time_loop
+from ._fit_loop import LoopOptions, run_epoch
 from ._report import PhaseLog
 from ._update import all_finite, clip_by_global_norm, guarded_update
-from ._window import GradWindow, check_accumulate_steps, steps_for_epoch, with_last_flag
+from ._window import GradWindow, check_accumulate_steps
 
 __all__ = ['AccumBPTT']
 
@@ -544,70 +545,18 @@ class AccumBPTT(bp.BPTT):
     check_data('train_data', train_data)
     if test_data is not None:
       check_data('test_data', test_data)
-    shared_args = dict(shared_args or {})
-    shared_args.setdefault('fit', True)
-    shared_args = tools.DotDict(shared_args)
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    options = LoopOptions(num_report, reset_state, shared_args, fun_after_report, show_bars=self.progress_bar)
     logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
-    show_bars, self.progress_bar = self.progress_bar, False  # no per-time-step bars inside the step
+    self.progress_bar = False  # no per-time-step bars inside the step
     try:
       with brainstate.environ.context(fit=True):
         for epoch in range(num_epoch):
-          loop = (epoch, num_report, reset_state, shared_args, fun_after_report, show_bars)
-          self._run_epoch('fit', train_data, logs['fit'], *loop)
+          run_epoch(self, 'fit', train_data, logs['fit'], epoch, options)
           self.optimizer.lr.step_epoch()
           if test_data is not None:
-            self._run_epoch('test', test_data, logs['test'], *loop)
+            run_epoch(self, 'test', test_data, logs['test'], epoch, options)
     finally:
-      self.progress_bar = show_bars
+      self.progress_bar = options.show_bars
       self._report_train_metrics, self._detailed_train_metrics = logs['fit'].arrays()
       self._report_test_metrics, self._detailed_test_metrics = logs['test'].arrays()
-
-  def _run_epoch(self, phase, data, log, epoch, num_report, reset_state, shared_args, fun_after_report,
-                 show_bars):
-    batches = data() if callable(data) else data
-    bar = tqdm(total=len(cast(Sized, batches))) if show_bars and hasattr(batches, '__len__') else None
-    window = steps_for_epoch(self.accumulate_steps, epoch) if phase == 'fit' else 1
-    try:
-      for position, ((inputs, targets), last) in enumerate(with_last_flag(batches)):
-        layout = self.check_batch(inputs, targets)
-        if reset_state:
-          self.target.reset(layout.batch_size)
-          self.reset_state()
-        if self.num_micro_batch == 'auto':
-          self.plan_memory(inputs, targets, shared_args)
-        step = self._step_for(phase, update=last or (position + 1) % window == 0)
-        loss, aux = self._split_result(phase, step(shared_args, inputs, targets))
-        log.record(loss, aux, self._describe(layout.batch_size, window))
-        if bar is not None:
-          bar.update(1)
-        if num_report > 0 and log.steps % num_report == 0:
-          self._emit(log, log.steps, 'steps', phase, bar, fun_after_report)
-      if num_report <= 0:
-        self._emit(log, epoch, 'epoch', phase, bar, fun_after_report)
-    finally:
-      if bar is not None:
-        bar.close()
-
-  def _step_for(self, phase: str, update: bool):
-    if phase != 'fit':
-      return self.f_loss
-    return self.f_train if update else self.f_collect
-
-  def _describe(self, batch_size: int, window: int) -> str:
-    text = self.plan_for(batch_size).describe()
-    return text + (f', {window} batches per update' if window > 1 else '')
-
-  def _split_result(self, phase: str, result) -> Tuple[Any, dict]:
-    if phase == 'fit':
-      return result[0], (result[1] if self.loss_has_aux else {})
-    return result if self.loss_has_aux else (result, {})
-
-  def _emit(self, log: PhaseLog, idx: int, unit: str, phase: str, bar, fun_after_report) -> None:
-    extra = f', skipped {int(self.skipped_steps.value)} non-finite' if self.skip_nonfinite and phase == 'fit' else ''
-    line, means = log.close_window(idx, unit, extra)
-    if bar is not None:
-      bar.set_description(line, refresh=True)
-    else:
-      print(line)
-    if fun_after_report is not None:
-      fun_after_report(idx, means, phase)

@@ -1,7 +1,6 @@
 """Bad input is rejected with a clear message, before parameters or optimizer state change."""
 
 import brainpy as bp
-import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT

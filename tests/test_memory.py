@@ -1,7 +1,6 @@
 """Working memory: remat over time and the memory-budget planner, judged by XLA's compile-time analysis."""
 
 import brainpy as bp
-import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT, parse_memory, plan_micro_batches

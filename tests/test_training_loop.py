@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT
-from helpers import assert_trees_close, make_batches, make_model, mse_with_aux, optimizer_state, params_of
+from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
 
 UNEVEN = (6, 4, 6, 5, 3)
 

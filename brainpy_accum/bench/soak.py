@@ -12,7 +12,6 @@ import resource
 from typing import Optional, Sequence
 
 import brainpy as bp
-import numpy as np
 
 from ..trainer import AccumBPTT
 from .workloads import Shape, make_batch, make_brainpy_model

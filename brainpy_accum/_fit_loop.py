@@ -1,0 +1,80 @@
+"""One epoch of :meth:`AccumBPTT.fit`: checks, resets, the right compiled step per batch, reports.
+
+Kept apart from the trainer so the loop reads in one sitting. It records what
+:class:`brainpy.BPTT` records (per-batch losses and metrics, report-window
+means) and adds to each report line how the batch was cut, how many batches
+make one update and, with ``skip_nonfinite``, how many were skipped.
+"""
+
+from typing import Any, Callable, NamedTuple, Optional, Sized, Tuple, cast
+
+from tqdm import tqdm
+
+from ._report import PhaseLog
+from ._window import steps_for_epoch, with_last_flag
+
+__all__ = ['LoopOptions', 'run_epoch']
+
+
+class LoopOptions(NamedTuple):
+  """The :meth:`fit` arguments every epoch needs."""
+  num_report: int
+  reset_state: bool
+  shared_args: Any
+  fun_after_report: Optional[Callable]
+  show_bars: bool
+
+
+def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: LoopOptions) -> None:
+  """Run one pass of ``phase`` (``'fit'`` or ``'test'``) over ``data``."""
+  batches = data() if callable(data) else data
+  bar = tqdm(total=len(cast(Sized, batches))) if options.show_bars and hasattr(batches, '__len__') else None
+  window = steps_for_epoch(trainer.accumulate_steps, epoch) if phase == 'fit' else 1
+  try:
+    for position, ((inputs, targets), last) in enumerate(with_last_flag(batches)):
+      layout = trainer.check_batch(inputs, targets)  # before anything changes
+      if options.reset_state:
+        trainer.target.reset(layout.batch_size)
+        trainer.reset_state()
+      if trainer.num_micro_batch == 'auto':
+        trainer.plan_memory(inputs, targets, options.shared_args)
+      step = _step_for(trainer, phase, update=last or (position + 1) % window == 0)
+      loss, aux = _split_result(trainer, phase, step(options.shared_args, inputs, targets))
+      log.record(loss, aux, _describe(trainer, layout.batch_size, window))
+      if bar is not None:
+        bar.update(1)
+      if options.num_report > 0 and log.steps % options.num_report == 0:
+        _emit(trainer, log, log.steps, 'steps', phase, bar, options.fun_after_report)
+    if options.num_report <= 0:
+      _emit(trainer, log, epoch, 'epoch', phase, bar, options.fun_after_report)
+  finally:
+    if bar is not None:
+      bar.close()
+
+
+def _step_for(trainer, phase: str, update: bool):
+  if phase != 'fit':
+    return trainer.f_loss
+  return trainer.f_train if update else trainer.f_collect
+
+
+def _describe(trainer, batch_size: int, window: int) -> str:
+  text = trainer.plan_for(batch_size).describe()
+  return text + (f', {window} batches per update' if window > 1 else '')
+
+
+def _split_result(trainer, phase: str, result) -> Tuple[Any, dict]:
+  if phase == 'fit':
+    return result[0], (result[1] if trainer.loss_has_aux else {})
+  return result if trainer.loss_has_aux else (result, {})
+
+
+def _emit(trainer, log: PhaseLog, idx: int, unit: str, phase: str, bar, fun_after_report) -> None:
+  skipped = trainer.skip_nonfinite and phase == 'fit'
+  line, means = log.close_window(idx, unit, f', skipped {int(trainer.skipped_steps.value)} non-finite' if skipped else '')
+  if bar is not None:
+    bar.set_description(line, refresh=True)
+  else:
+    print(line)
+  if fun_after_report is not None:
+    fun_after_report(idx, means, phase)
