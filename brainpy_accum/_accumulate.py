@@ -59,11 +59,14 @@ def add_scaled(total, weight, tree):
   return jax.tree_util.tree_map(lambda t, x: t + weight * _wide(x), total, tree)
 
 
-def finish_grads(grad_sum, total_weight, reduction: str, params):
-  """Divide the summed gradients by the total weight for ``'mean'`` and cast them to the parameters' dtypes."""
-  def finish(g, p):
-    return same_type(g / total_weight if reduction == 'mean' else g, p)
-  return jax.tree_util.tree_map(finish, grad_sum, params)
+def finish_grads(grad_sum, total_weight, reduction: str, params=None):
+  """Divide the summed gradients by the total weight for ``'mean'``; cast them to the parameters' types if given.
+
+  Without ``params`` they stay in the accumulator's (float32 or wider) precision,
+  for callers that keep accumulating, such as a window across batches.
+  """
+  grads = jax.tree_util.tree_map(lambda g: g / total_weight if reduction == 'mean' else g, grad_sum)
+  return grads if params is None else jax.tree_util.tree_map(same_type, grads, params)
 
 
 def combine_values(values, weights, reduction: str):

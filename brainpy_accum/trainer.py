@@ -447,7 +447,9 @@ class AccumBPTT(bp.BPTT):
     """Run every micro-batch of one batch; return its combined ``(grads, weight, loss, aux)``.
 
     ``grads`` is the weighted mean of the micro-batch gradients (their sum for
-    ``'sum'``) and ``weight`` the batch's total weight, for windows across batches.
+    ``'sum'``), still in accumulator precision (cast to the parameters' types
+    only in :meth:`_apply_update`, so a window across batches sums them in
+    float32 too), and ``weight`` the batch's total weight.
     """
     layout = self.check_batch(inputs, targets)
     plan = plan or self.plan_for(layout.batch_size)
@@ -500,7 +502,7 @@ class AccumBPTT(bp.BPTT):
       var.value = buffer[k]
     loss, aux = combine_values((losses, auxs), weights, self.grad_reduction)
     total = weights.sum()
-    grads = finish_grads(grad_sum, total, self.grad_reduction, params) if with_grads else None
+    grads = finish_grads(grad_sum, total, self.grad_reduction) if with_grads else None
     return grads, total, loss, aux
 
   # ------------------------------------------------------------------ training loop
