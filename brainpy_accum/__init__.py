@@ -2,9 +2,12 @@
 
 from ._plan import MicroBatchPlan
 from ._plan import plan_micro_batches
+from ._hlo import AllReduceCount
+from ._hlo import count_all_reduces
 from ._planner import compiled_step_bytes
 from ._planner import parse_memory
 from .trainer import AccumBPTT
 
-__all__ = ['AccumBPTT', 'MicroBatchPlan', 'compiled_step_bytes', 'parse_memory', 'plan_micro_batches']
+__all__ = ['AccumBPTT', 'AllReduceCount', 'MicroBatchPlan', 'compiled_step_bytes', 'count_all_reduces', 'parse_memory',
+           'plan_micro_batches']
 __version__ = '0.1.0'

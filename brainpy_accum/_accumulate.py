@@ -12,7 +12,8 @@ Gradients are summed in at least float32, whatever the parameters' dtype.
 import jax
 import jax.numpy as jnp
 
-__all__ = ['GRAD_REDUCTIONS', 'same_type', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'combine_values']
+__all__ = ['GRAD_REDUCTIONS', 'same_type', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'sum_values', 'finish_values',
+           'combine_values']
 
 GRAD_REDUCTIONS = ('mean', 'sum')
 
@@ -69,13 +70,27 @@ def finish_grads(grad_sum, total_weight, reduction: str, params=None):
   return grads if params is None else jax.tree_util.tree_map(same_type, grads, params)
 
 
-def combine_values(values, weights, reduction: str):
-  """Weighted mean (``'mean'``) or plain sum (``'sum'``) over the leading micro-batch axis of ``values``.
+def sum_values(values, weights, reduction: str):
+  """Weighted sum (``'mean'``) or plain sum (``'sum'``) over the leading micro-batch axis of ``values``.
 
   ``values`` is a pytree whose leaves stack one entry per micro-batch;
-  ``weights`` is the vector of micro-batch weights.
+  ``weights`` is the vector of micro-batch weights. Sums from several devices
+  add up to the sum over all their micro-batches.
   """
   weights = jnp.asarray(weights, jnp.float32)
   if reduction == 'sum':
     return jax.tree_util.tree_map(lambda v: _wide(v).sum(0), values)
-  return jax.tree_util.tree_map(lambda v: jnp.tensordot(weights, _wide(v), axes=1) / weights.sum(), values)
+  return jax.tree_util.tree_map(lambda v: jnp.tensordot(weights, _wide(v), axes=1), values)
+
+
+def finish_values(sums, total_weight, reduction: str):
+  """Turn :func:`sum_values` sums into the weighted mean (``'mean'``); ``'sum'`` keeps them."""
+  if reduction == 'sum':
+    return sums
+  return jax.tree_util.tree_map(lambda v: v / total_weight, sums)
+
+
+def combine_values(values, weights, reduction: str):
+  """Weighted mean (``'mean'``) or plain sum (``'sum'``) over the leading micro-batch axis of ``values``."""
+  weights = jnp.asarray(weights, jnp.float32)
+  return finish_values(sum_values(values, weights, reduction), weights.sum(), reduction)

@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sized, Tuple, cast
 
 from tqdm import tqdm
 
+from ._compiles import count_compilations
 from ._report import PhaseLog
 from ._window import steps_for_epoch, with_last_flag
 
@@ -36,10 +37,14 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
       if options.reset_state:
         trainer.target.reset(layout.batch_size)
         trainer.reset_state()
+      trainer.place_on_mesh()  # the same placement every step: one compilation per batch shape
       if trainer.num_micro_batch == 'auto':
         trainer.plan_memory(inputs, targets, options.shared_args)
       step = _step_for(trainer, phase, update=last or (position + 1) % window == 0)
-      loss, aux = _split_result(trainer, phase, step(options.shared_args, inputs, targets))
+      with count_compilations() as compiled:
+        result = step(options.shared_args, inputs, targets)
+      trainer.note_compilations('fit' if phase == 'fit' else 'loss', compiled())
+      loss, aux = _split_result(trainer, phase, result)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
       if bar is not None:
         bar.update(1)
@@ -59,7 +64,7 @@ def _step_for(trainer, phase: str, update: bool):
 
 
 def _describe(trainer, batch_size: int, window: int) -> str:
-  text = trainer.plan_for(batch_size).describe()
+  text = trainer.describe_batch(batch_size)
   return text + (f', {window} batches per update' if window > 1 else '')
 
 

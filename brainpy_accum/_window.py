@@ -52,12 +52,19 @@ def with_last_flag(items: Iterable) -> Iterator[Tuple[object, bool]]:
 
 
 class GradWindow:
-  """Sum of weighted batch gradients and of their weights since the last update, in Variables."""
+  """Sum of weighted batch gradients and of their weights since the last update, in Variables.
 
-  def __init__(self, params: Dict[str, bm.Variable]):
-    self.grads = bm.VarDict({k: bm.Variable(z) for k, z in wide_zeros_like(
-      {k: v.value for k, v in params.items()}).items()})
-    self.weight = bm.Variable(jnp.zeros((), jnp.float32))
+  With ``copies=D`` every sum gets a leading axis of ``D`` rows, one per
+  device of a mesh (sharded along it), so each device keeps its own partial
+  sums between updates and the devices add them only when the window closes.
+  """
+
+  def __init__(self, params: Dict[str, bm.Variable], copies: Optional[int] = None):
+    zeros = wide_zeros_like({k: v.value for k, v in params.items()})
+    if copies is not None:
+      zeros = {k: jnp.zeros((copies,) + z.shape, z.dtype) for k, z in zeros.items()}
+    self.grads = bm.VarDict({k: bm.Variable(z) for k, z in zeros.items()})
+    self.weight = bm.Variable(jnp.zeros(() if copies is None else (copies,), jnp.float32))
 
   def add(self, grads: Dict, weight, keep: Optional[object] = None) -> None:
     """Add one batch's gradients (a mean over it) with its weight; ``keep=False`` drops them."""
@@ -70,15 +77,35 @@ class GradWindow:
       var.value = sums[k]
     self.weight.value += weight
 
+  def add_sums(self, grad_sums: Dict, weight, keep: Optional[object] = None) -> None:
+    """Add already weighted gradient sums (one device's, inside a shard) and their weight."""
+    weight = jnp.asarray(weight, jnp.float32)
+    if keep is not None:
+      weight = jnp.where(keep, weight, 0.)
+      grad_sums = {k: jnp.where(keep, g, jnp.zeros_like(g)) for k, g in grad_sums.items()}
+    for k, var in self.grads.items():
+      var.value = var.value + grad_sums[k].astype(var.dtype)  # broadcasts over a device row
+    self.weight.value = self.weight.value + weight
+
+  def take_sums(self):
+    """Return this device's ``(grad_sums, weight)`` (its row of each sum) and empty the window."""
+    sums = {k: v.value.sum(0) for k, v in self.grads.items()}
+    weight = self.weight.value.sum()
+    self._empty()
+    return sums, weight
+
   def close(self, reduction: str):
     """Return ``(grads, weight)`` for the window and empty it. Mean grads for ``'mean'``, sums for ``'sum'``."""
     weight = self.weight.value
     divide = jnp.where(weight > 0, weight, 1.) if reduction == 'mean' else 1.
     grads = {k: v.value / divide for k, v in self.grads.items()}
+    self._empty()
+    return grads, weight
+
+  def _empty(self) -> None:
     for var in self.grads.values():
       var.value = jnp.zeros_like(var.value)
     self.weight.value = jnp.zeros_like(self.weight.value)
-    return grads, weight
 
   def variables(self) -> Dict[str, bm.Variable]:
     """The window's Variables by name, for checkpoints."""

@@ -5,13 +5,16 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import brainpy as bp
 import brainpy.math as bm
+import brainstate
 import brainstate.environ
+import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 from brainpy import tools
 from brainpy.running import constants as c
 from tqdm import tqdm
 
-from ._accumulate import add_scaled, combine_values, finish_grads, same_type, wide_zeros_like
+from ._accumulate import add_scaled, combine_values, finish_grads, finish_values, same_type, sum_values, wide_zeros_like
 from ._checkpoint import load as load_checkpoint_file, save as save_checkpoint_file
 from ._batch import BatchLayout, batch_layout, put_samples, take_samples
 from ._checks import check_accumulation_args, check_data, check_fit_args, check_remat, check_update_args
@@ -20,6 +23,8 @@ from ._plan import MicroBatchPlan, plan_micro_batches
 from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory, parse_memory
 from ._remat import checkpointed_time_loop
 from ._fit_loop import LoopOptions, run_epoch
+from ._mesh import batch_spec, check_divisible, check_mesh, mesh_size, per_device_random
+from ._mesh import place, random_states, sum_across_devices
 from ._report import PhaseLog
 from ._update import all_finite, clip_by_global_norm, guarded_update
 from ._window import GradWindow, check_accumulate_steps
@@ -102,6 +107,22 @@ class AccumBPTT(bp.BPTT):
     backward pass keeps one model state per segment instead of every step's
     activations (about one extra forward pass of compute; same gradients).
     ``False`` (default) stores every step, as :class:`brainpy.BPTT` does.
+  mesh : jax.sharding.Mesh, optional
+    Data parallelism: every batch is split along its batch axis over the
+    devices of ``mesh_axis`` (contiguous shares of ``batch_size / D``
+    samples), each device runs its own micro-batch loop on its share, and
+    the devices' gradient sums are added once per train step, not once per
+    micro-batch. Parameters and optimizer state are replicated. The
+    micro-batch options then describe each device's share: with
+    ``num_micro_batch=N`` each device runs ``N`` micro-batches of
+    ``batch_size / (D N)`` samples, and ``memory_budget`` is per device.
+    Batch sizes must be multiples of ``D``. For several hosts, call
+    :func:`jax.distributed.initialize` first and build the mesh from
+    :func:`jax.devices` (all hosts' devices); every process runs the same
+    :meth:`fit` on the same batches. Without a mesh nothing changes.
+  mesh_axis : str, optional
+    The mesh axis that splits the batch; needed only when the mesh has more
+    than one axis (the others then hold replicas).
   **kwargs
     Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
     ``jit``, ``data_first_axis``, ``progress_bar``, ...).
@@ -146,8 +167,11 @@ class AccumBPTT(bp.BPTT):
       loss_weight_fn: Optional[Callable] = None,
       clip_grad_norm: Optional[float] = None,
       skip_nonfinite: bool = False,
+      mesh: Optional[Mesh] = None,
+      mesh_axis: Optional[str] = None,
       **kwargs,
   ):
+    self.mesh_axis = check_mesh(mesh, mesh_axis)
     check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
     check_remat(remat)
     check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite)
@@ -164,10 +188,13 @@ class AccumBPTT(bp.BPTT):
     self.loss_weight_fn = loss_weight_fn
     self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
     self.skip_nonfinite = skip_nonfinite
+    self.mesh = mesh
     self.skipped_steps = bm.Variable(jnp.zeros((), jnp.int32))
     params = self.target.train_vars().unique()
-    self._window = None if accumulate_steps == 1 else GradWindow(params)
+    copies = None if mesh is None else self.num_devices
+    self._window = None if accumulate_steps == 1 else GradWindow(params, copies)
     self.trace_counts = {'fit': 0, 'loss': 0}
+    self._compilations = {'fit': 0, 'loss': 0}
     self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
     self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
     warn_batch_statistics(self.target)
@@ -179,7 +206,11 @@ class AccumBPTT(bp.BPTT):
 
   @property
   def compilations(self) -> Dict[str, int]:
-    """XLA executables compiled so far for the train (``'fit'``) and evaluation (``'loss'``) steps.
+    """XLA compilations so far of the train (``'fit'``) and evaluation (``'loss'``) steps run by :meth:`fit`.
+
+    Counted from JAX's backend-compilation events while a step is called, so it
+    is exact with or without a mesh: one per distinct batch shape (and, with
+    ``accumulate_steps``, one more for the step that only collects).
 
     Examples
     --------
@@ -195,8 +226,11 @@ class AccumBPTT(bp.BPTT):
     >>> trainer.compilations
     {'fit': 1, 'loss': 0}
     """
-    return {'fit': self._jit_step_func_fit.jitted_fun._cache_size(),
-            'loss': self._jit_step_func_eval.jitted_fun._cache_size()}
+    return dict(self._compilations)
+
+  def note_compilations(self, phase: str, count: int) -> None:
+    """Add ``count`` XLA compilations to :attr:`compilations` (``phase`` is ``'fit'`` or ``'loss'``)."""
+    self._compilations[phase] += count
 
   # ------------------------------------------------------------------ planning
 
@@ -216,7 +250,7 @@ class AccumBPTT(bp.BPTT):
     (3, 3, 3, 1)
     """
     if self.num_micro_batch != 'auto':
-      return plan_micro_batches(batch_size, num_micro_batch=self.num_micro_batch,
+      return plan_micro_batches(self._share_size(batch_size), num_micro_batch=self.num_micro_batch,
                                 micro_batch_size=self.micro_batch_size)
     if batch_size not in self.memory_plans:
       raise ValueError(f'No micro-batch plan for {batch_size=} yet under memory_budget='
@@ -237,6 +271,52 @@ class AccumBPTT(bp.BPTT):
     3
     """
     return self.plan_for(batch_size).num_micro_batches
+
+  @property
+  def num_devices(self) -> int:
+    """Devices a batch is split over: the size of the mesh's batch axis (1 without a mesh)."""
+    return 1 if self.mesh is None else mesh_size(self.mesh, self.mesh_axis)
+
+  def _share_size(self, batch_size: int) -> int:
+    """Samples each device holds of a batch of ``batch_size``."""
+    return batch_size if self.mesh is None else check_divisible(batch_size, self.num_devices, self.mesh_axis)
+
+  def place_on_mesh(self) -> None:
+    """Put the trainer's Variables on the mesh: model states split along their batch axis, the
+    ``accumulate_steps`` window one row per device, everything else (parameters, optimizer state,
+    counters, random keys) replicated. :meth:`fit` calls it before every step; without a mesh it does nothing.
+    """
+    if self.mesh is None:
+      return
+    axis = self.mesh_axis
+    batched = {id(v): v.batch_axis for v in self._batched_states().values()}
+    rows = {id(v) for v in self._window.variables().values()} if self._window is not None else set()
+
+    def spec(var):
+      if id(var) in batched:
+        return batch_spec(batched[id(var)], axis)
+      return batch_spec(0, axis) if id(var) in rows else PartitionSpec()
+
+    window = list(self._window.variables().values()) if self._window is not None else []
+    variables = list(self.vars().unique().values()) + window + random_states(self.target)
+    place([(var, spec(var)) for var in variables], self.mesh)
+
+  def describe_batch(self, batch_size: int) -> str:
+    """How a batch of ``batch_size`` samples is cut, as the report line shows it.
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).describe_batch(10)
+    'batch 10 = 3 x 3 + 1'
+    """
+    text = self.plan_for(batch_size).describe()
+    if self.mesh is None:
+      return text
+    return f'batch {batch_size} = {self.num_devices} devices x ({text.split(" = ", 1)[1]})'
 
   def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None) -> MicroBatchPlan:
     """Choose and cache the fewest micro-batches whose compiled train step fits ``memory_budget``.
@@ -269,26 +349,60 @@ class AccumBPTT(bp.BPTT):
       raise ValueError(f"plan_memory needs num_micro_batch='auto'; this trainer has "
                        f"num_micro_batch={self.num_micro_batch!r}, micro_batch_size={self.micro_batch_size!r}.")
     layout = self.check_batch(inputs, targets)
-    batch_size = layout.batch_size
+    batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
     if batch_size not in self.memory_plans:
       shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
       measure = lambda size: self.compiled_step_bytes(
-        plan_micro_batches(batch_size, micro_batch_size=size), shared_args, inputs, targets)
-      size, used = choose_micro_batch_size(batch_size, self.memory_budget, measure)
-      plan = plan_micro_batches(batch_size, micro_batch_size=size)
+        plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets)
+      size, used = choose_micro_batch_size(share, self.memory_budget, measure)
+      plan = plan_micro_batches(share, micro_batch_size=size)
       self.memory_plans[batch_size] = (plan, used)
-      tqdm.write(f'memory plan: {plan.describe()} ({plan.num_micro_batches} micro-batches), train step '
-                 f'{format_memory(used)} of memory_budget {format_memory(self.memory_budget)}')
+      per_device = '' if self.mesh is None else ' per device'
+      tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plan.num_micro_batches} micro-batches), '
+                 f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}')
     return self.memory_plans[batch_size][0]
 
   def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets) -> int:
     """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
 
     The model state enters at its current size, as :meth:`fit` leaves it before a step
-    (reset at the batch size); nothing is executed and nothing changes.
+    (reset at the batch size); nothing is executed and nothing changes. With a
+    mesh the figure is per device.
     """
-    step = bm.jit(functools.partial(self._train_step, plan=plan), static_argnums=(0,))
-    return compiled_step_bytes(step.compile(shared_args, inputs, targets))
+    return compiled_step_bytes(self.compile_step(inputs, targets, shared_args, plan=plan))
+
+  def compile_step(self, inputs, targets, shared_args: Optional[Dict] = None,
+                   plan: Optional[MicroBatchPlan] = None, update: bool = True):
+    """The train step for this batch shape, compiled ahead of time by XLA; nothing runs, nothing changes.
+
+    Returns JAX's compiled object: ``memory_analysis()`` gives its memory
+    (per device with a mesh), ``as_text()`` its optimised HLO, e.g. to count
+    the cross-device reductions (``all-reduce``) of a sharded step. The model
+    state enters at its current size: call ``model.reset(batch_size)`` first,
+    as :meth:`fit` does. ``plan`` overrides the trainer's micro-batch plan;
+    ``update=False`` compiles the step that only adds a batch to the
+    ``accumulate_steps`` window.
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 8), bp.dnn.Dense(8, 2))
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=4)
+    >>> x, y = np.ones((16, 5, 3), 'float32'), np.zeros((16, 5, 2), 'float32')
+    >>> model.reset(16)
+    >>> compiled = trainer.compile_step(x, y)
+    >>> compiled.memory_analysis().temp_size_in_bytes > 0
+    True
+    """
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update), static_argnums=(0,))
+    show_bars, self.progress_bar = self.progress_bar, False  # as in fit: no per-time-step bars inside the step
+    try:
+      return step.compile(shared_args, inputs, targets)
+    finally:
+      self.progress_bar = show_bars
 
   def check_batch(self, inputs: Any, targets: Any) -> BatchLayout:
     """Check one batch and return its layout; raises ``ValueError`` before anything changes.
@@ -306,7 +420,9 @@ class AccumBPTT(bp.BPTT):
     Traceback (most recent call last):
     ValueError: targets has shape (6, 5, 2), but the inputs hold batch_size=8 samples ...
     """
-    return batch_layout(inputs, targets, self.data_first_axis, self.target_batch_axis)
+    layout = batch_layout(inputs, targets, self.data_first_axis, self.target_batch_axis)
+    self._share_size(layout.batch_size)
+    return layout
 
   # ------------------------------------------------------------------ checkpoints
 
@@ -365,6 +481,8 @@ class AccumBPTT(bp.BPTT):
     return self._train_step(shared_args, inputs, targets, update=False)
 
   def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True):
+    if self.mesh is not None and self._window is not None:
+      return self._train_step_sharded_window(shared_args, inputs, targets, plan, update)
     grads, weight, loss, aux = self._accumulate(shared_args, inputs, targets, with_grads=True, plan=plan)
     finite = all_finite(grads) if self.skip_nonfinite else None
     if self._window is None:
@@ -377,6 +495,37 @@ class AccumBPTT(bp.BPTT):
         grads, weight = self._window.close(self.grad_reduction)
         self._apply_update(grads, (weight > 0) if self.skip_nonfinite else None, count=False)
     return (loss, aux) if self.loss_has_aux else (loss,)
+
+  def _train_step_sharded_window(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan], update: bool):
+    """An ``accumulate_steps`` step on a mesh: each device adds its sums to its own row of the window, and the
+    devices add their gradients only when the window closes (``update``): one gradient all-reduce per update."""
+    layout = self.check_batch(inputs, targets)
+    plan = plan or self.plan_for(layout.batch_size)
+    grad_sum, window_weight, total, loss_sum, aux_sum, bad = self._accumulate_sharded(
+      shared_args, inputs, targets, layout, plan, with_grads=True, window_update=update)
+    loss, aux = finish_values((loss_sum, aux_sum), total, self.grad_reduction)
+    if self.skip_nonfinite:
+      self._count_skipped(bad == 0)
+    if update:
+      divide = jnp.where(window_weight > 0, window_weight, 1.)
+      grads = finish_grads(grad_sum, divide, self.grad_reduction)
+      self._apply_update(grads, (window_weight > 0) if self.skip_nonfinite else None, count=False)
+    return (loss, aux) if self.loss_has_aux else (loss,)
+
+  def _window_in_shard(self, sums, update: bool, axis: str):
+    """Inside a shard: add this device's batch sums to its window row; all-reduce gradients only if ``update``.
+
+    Returns ``(grad_sum, window_weight, total, loss_sum, aux_sum, bad)``: the window's sums over all devices
+    (``None, None`` unless ``update``), then the batch's total weight, loss and metric sums and the number of
+    devices whose gradient was not finite (one small all-reduce of scalars per batch, for the report).
+    """
+    grad_sum, total, loss_sum, aux_sum = sums
+    bad = jnp.zeros((), jnp.int32) if not self.skip_nonfinite else (~all_finite(grad_sum)).astype(jnp.int32)
+    total, loss_sum, aux_sum, bad = sum_across_devices((total, loss_sum, aux_sum, bad), axis)
+    local_total = sums[1]
+    self._window.add_sums(grad_sum, local_total, keep=(bad == 0) if self.skip_nonfinite else None)
+    window_sums, window_weight = sum_across_devices(self._window.take_sums(), axis) if update else (None, None)
+    return window_sums, window_weight, total, loss_sum, aux_sum, bad
 
   def _apply_update(self, grads, apply, count: bool = True) -> None:
     params = self.target.train_vars().unique()
@@ -449,17 +598,76 @@ class AccumBPTT(bp.BPTT):
     ``grads`` is the weighted mean of the micro-batch gradients (their sum for
     ``'sum'``), still in accumulator precision (cast to the parameters' types
     only in :meth:`_apply_update`, so a window across batches sums them in
-    float32 too), and ``weight`` the batch's total weight.
+    float32 too), and ``weight`` the batch's total weight. With a mesh every
+    device runs this on its share and the shares are added once.
     """
     layout = self.check_batch(inputs, targets)
     plan = plan or self.plan_for(layout.batch_size)
+    if self.mesh is None:
+      return self._accumulate_local(shared_args, inputs, targets, layout, plan, with_grads, finish=True)
+    return self._accumulate_sharded(shared_args, inputs, targets, layout, plan, with_grads)
+
+  def _accumulate_sharded(self, shared_args, inputs, targets, layout: BatchLayout, plan: MicroBatchPlan,
+                          with_grads: bool, window_update: Optional[bool] = None):
+    """:meth:`_accumulate` split over the mesh: local micro-batch loops, one ``psum`` of their sums.
+
+    With ``window_update`` set, the batch goes into the ``accumulate_steps`` window
+    instead (see :meth:`_window_in_shard`, whose results are returned).
+    """
+    axis = self.mesh_axis
+    states = self._batched_states()
+    for k, var in states.items():
+      var.value = self._state_for_batch(k, var, layout.batch_size)
+    state_specs = {var: batch_spec(var.batch_axis, axis) for var in states.values()}
+    if window_update is not None:  # one row of the window per device
+      state_specs.update({var: batch_spec(0, axis) for var in self._window.variables().values()})
+    leaves, treedef = jax.tree_util.tree_flatten((inputs, targets), is_leaf=lambda x: isinstance(x, bm.Array))
+    leaf_axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
+    local_layout = BatchLayout(plan.batch_size, layout.input_axes, layout.target_axes)
+    random = random_states(self.target)
+
+    def local(*local_leaves):
+      local_inputs, local_targets = jax.tree_util.tree_unflatten(treedef, local_leaves)
+      with per_device_random(random, axis):
+        sums = self._accumulate_local(shared_args, local_inputs, local_targets, local_layout, plan, with_grads,
+                                      finish=False)
+      if window_update is not None:
+        return self._window_in_shard(sums, window_update, axis)
+      return sum_across_devices(sums, axis)
+
+    run = brainstate.transform.shard_map(
+      local, self.mesh, in_specs=tuple(batch_spec(a, axis) for a in leaf_axes), out_specs=PartitionSpec(),
+      state_in_specs=state_specs, state_out_specs=state_specs, check_vma=False)
+    out = run(*[bm.as_jax(x) for x in leaves])
+    if window_update is not None:
+      return out
+    grad_sum, total, loss_sum, aux_sum = out
+    loss, aux = finish_values((loss_sum, aux_sum), total, self.grad_reduction)
+    grads = finish_grads(grad_sum, total, self.grad_reduction) if with_grads else None
+    return grads, total, loss, aux
+
+  def _accumulate_local(self, shared_args, inputs, targets, layout: BatchLayout, plan: MicroBatchPlan,
+                        with_grads: bool, finish: bool):
+    """Every micro-batch of ``plan`` on this device.
+
+    With ``finish`` return ``(grads, weight, loss, aux)`` as :meth:`_accumulate`
+    does; without, the weighted sums ``(grad_sum, weight, loss_sum, aux_sum)``
+    that devices add before dividing.
+    """
     if plan.num_micro_batches == 1:
       grads, loss, aux, weight = self._micro_step(shared_args, inputs, targets, plan.batch_size, with_grads)
-      return grads, weight, loss, aux
+      if finish:
+        return grads, weight, loss, aux
+      grad_sum = add_scaled(wide_zeros_like(grads), weight, grads) if with_grads else None
+      return (grad_sum, weight) + sum_values((loss[None], jax.tree_util.tree_map(lambda v: v[None], aux)),
+                                             weight[None], self.grad_reduction)
 
     states = self._batched_states()
     state_axes = {k: v.batch_axis for k, v in states.items()}
-    buffer = {k: self._state_for_batch(k, v, plan.batch_size) for k, v in states.items()}
+    if finish:
+      buffer = {k: self._state_for_batch(k, v, plan.batch_size) for k, v in states.items()}
+    else:  # a device's share, already cut to its samples by the mesh
+      buffer = {k: take_samples(v.value, state_axes[k], 0, plan.batch_size) for k, v in states.items()}
     params = {k: v.value for k, v in self.target.train_vars().unique().items()}
     size, num_full = plan.micro_batch_size, plan.num_full
 
@@ -500,8 +708,10 @@ class AccumBPTT(bp.BPTT):
     (grad_sum, buffer), (losses, auxs, weights) = bm.scan(body, carry, jnp.arange(plan.num_micro_batches))
     for k, var in states.items():
       var.value = buffer[k]
-    loss, aux = combine_values((losses, auxs), weights, self.grad_reduction)
     total = weights.sum()
+    if not finish:
+      return (grad_sum, total) + sum_values((losses, auxs), weights, self.grad_reduction)
+    loss, aux = combine_values((losses, auxs), weights, self.grad_reduction)
     grads = finish_grads(grad_sum, total, self.grad_reduction) if with_grads else None
     return grads, total, loss, aux
 

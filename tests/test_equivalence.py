@@ -25,6 +25,7 @@ class Scenario:
   loss: str = 'aux'
   jit: bool = True
   num_epoch: int = 2
+  test_size: int = 9
 
 
 def last_step_mse(predicts, targets):
@@ -50,7 +51,7 @@ def run(scenario: Scenario, trainer_cls=bp.BPTT, **trainer_kwargs):
   batches = make_batches(scenario.sizes, time_first=scenario.time_first, dict_inputs=scenario.dict_inputs)
   if scenario.loss == 'last_step':
     batches = [(x, y[-1]) for x, y in batches]
-  test_batches = make_batches((9,), seed=1, time_first=scenario.time_first, dict_inputs=scenario.dict_inputs)
+  test_batches = make_batches((scenario.test_size,), seed=1, time_first=scenario.time_first, dict_inputs=scenario.dict_inputs)
   if scenario.loss == 'last_step':
     test_batches = [(x, y[-1]) for x, y in test_batches]
   trainer.fit(batches, test_data=test_batches, num_epoch=scenario.num_epoch)

@@ -1,0 +1,125 @@
+"""Data parallelism over a :class:`jax.sharding.Mesh`: which axis holds the batch, how leaves are split,
+and how the devices' partial sums are combined.
+
+Each device runs the whole micro-batch loop on its own share of the batch and
+keeps its gradient sums local; the shares are added with one ``psum`` per
+train step (:func:`sum_across_devices`), never inside the micro-batch loop.
+The partitioning itself is JAX's: :func:`brainstate.transform.shard_map`
+(``jax.shard_map`` with BrainPy Variables as states) over the user's mesh.
+"""
+
+import contextlib
+from typing import Any, Optional
+
+import brainstate
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+__all__ = ['check_mesh', 'mesh_size', 'check_divisible', 'batch_spec', 'sum_across_devices',
+           'random_states', 'per_device_random', 'place']
+
+
+def check_mesh(mesh, mesh_axis) -> Optional[str]:
+  """Return the mesh axis that splits the batch (``None`` without a mesh); raise naming the argument otherwise."""
+  if mesh is None:
+    if mesh_axis is not None:
+      raise ValueError(f'{mesh_axis=} names an axis of a device mesh, but mesh=None. Pass '
+                       f"mesh=jax.sharding.Mesh(jax.devices(), ('batch',)) or drop mesh_axis.")
+    return None
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f'mesh must be a jax.sharding.Mesh, e.g. jax.sharding.Mesh(jax.devices(), '
+                    f"('batch',)); got a {type(mesh).__name__}.")
+  names = tuple(mesh.axis_names)
+  if mesh_axis is None:
+    if len(names) != 1:
+      raise ValueError(f'mesh has the axes {names}: say which one splits the batch with mesh_axis=..., '
+                       f'e.g. mesh_axis={names[0]!r}.')
+    return names[0]
+  if mesh_axis not in names:
+    raise ValueError(f'{mesh_axis=} is not an axis of the mesh, whose axes are {names}.')
+  return mesh_axis
+
+
+def mesh_size(mesh: Mesh, axis: str) -> int:
+  """Number of devices along ``axis`` (the number of shares a batch is cut into)."""
+  return int(mesh.shape[axis])
+
+
+def check_divisible(batch_size: int, num_devices: int, axis: str) -> int:
+  """Samples per device; raise a ``ValueError`` with the fix if the batch does not split evenly."""
+  if batch_size % num_devices:
+    lower, upper = batch_size // num_devices * num_devices, -(-batch_size // num_devices) * num_devices
+    raise ValueError(f'batch_size={batch_size} does not split evenly over the {num_devices} devices of mesh axis '
+                     f'{axis!r}: every device must hold the same number of samples. Use batches whose size is a '
+                     f'multiple of {num_devices} (e.g. {lower or num_devices} or {upper}), for instance by '
+                     f'dropping or padding the last batch of an epoch.')
+  return batch_size // num_devices
+
+
+def batch_spec(batch_axis: int, mesh_axis: str) -> PartitionSpec:
+  """The partition of an array whose samples lie along ``batch_axis``: split there, whole elsewhere."""
+  return PartitionSpec(*([None] * batch_axis), mesh_axis)
+
+
+def sum_across_devices(tree: Any, mesh_axis: str) -> Any:
+  """Add a pytree of per-device partial sums over ``mesh_axis``: one all-reduce, its result on every device."""
+  return jax.lax.psum(tree, mesh_axis)
+
+
+def random_states(model) -> list:
+  """BrainPy's global random state and any random state the model owns."""
+  owned = [v for v in model.vars().unique().values() if isinstance(v, brainstate.random.RandomState)]
+  default = brainstate.random.DEFAULT
+  return [default] + [v for v in owned if v is not default]
+
+
+@contextlib.contextmanager
+def per_device_random(states, mesh_axis: str):
+  """Inside a shard: give every device its own random stream, and leave one shared key behind.
+
+  Each key is folded with the device's index on entry, so devices draw
+  different random numbers for their different samples. On exit a key that
+  was drawn from holds the first half of a split of the entry key, the same on
+  every device (a replicated value, as the mesh expects of a state that is
+  not sharded); a key that was not drawn from gets its entry value back, so a
+  model without randomness inside the step leaves BrainPy's random state as
+  a single device would.
+  """
+  keys = [state.value for state in states]
+  index = jax.lax.axis_index(mesh_axis)
+  folded = [jax.random.fold_in(key, index) for key in keys]
+  for state, key in zip(states, folded):
+    state.value = key
+  try:
+    yield
+  finally:
+    for state, key, mine in zip(states, keys, folded):
+      state.value = key if state.value is mine else jax.random.split(key)[0]
+
+
+
+def place(variables_and_specs, mesh: Mesh) -> None:
+  """Put each Variable's value on ``mesh`` with its partition (a no-op for values already there).
+
+  A jitted step is compiled for the placement of its inputs as well as their
+  shapes: values that arrive once unplaced and later placed by the previous
+  step would cost further compilations.
+  """
+  for var, spec in variables_and_specs:
+    sharding = NamedSharding(mesh, spec)
+    if getattr(var.value, 'sharding', None) != sharding:
+      var.value = _to_sharding(var.value, sharding)
+
+
+def _to_sharding(value, sharding: NamedSharding):
+  """``value`` (the same in every process) as a global array with ``sharding``."""
+  if jax.process_count() == 1:
+    return jax.device_put(value, sharding)
+  # Several processes: device_put cannot reach other hosts' devices; each process
+  # contributes its own devices' pieces of the value, which every process holds whole.
+  if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    data = _to_sharding(jax.random.key_data(value), sharding)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+  host = np.asarray(value)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

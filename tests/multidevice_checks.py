@@ -1,0 +1,168 @@
+"""AccumBPTT over a mesh of 8 simulated CPU devices, against bp.BPTT on one device.
+
+JAX fixes its device count when it starts, so these checks run in their own
+pytest session with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+(``test_mesh.py`` starts it). They are skipped when fewer devices exist.
+"""
+
+import brainpy as bp
+import brainpy.math as bm
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+from brainpy_accum import AccumBPTT, count_all_reduces, plan_micro_batches
+from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
+from test_equivalence import Scenario, run
+from test_training_loop import concat, train, windows
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 (simulated) devices')
+
+SIZES = (24, 24, 16)  # multiples of 8 devices (shares of 3, 3, 2 samples); the last one smaller
+
+
+@pytest.fixture(scope='module')
+def mesh():
+  return Mesh(np.array(jax.devices()[:8]), ('batch',))
+
+
+def _compare(scenario, mesh, **kwargs):
+  expected_params, expected_metrics, _ = run(scenario)
+  params, metrics, trainer = run(scenario, AccumBPTT, mesh=mesh, **kwargs)
+  assert_trees_close(params, expected_params)
+  assert_trees_close(metrics, expected_metrics)
+  return trainer
+
+
+@pytest.mark.parametrize('model, num_micro_batch', [('rnn', 1), ('rnn', 2), ('snn', 2), ('snn', 3)])
+def test_eight_devices_equal_one_device(mesh, model, num_micro_batch):
+  """Params after 6 Adam steps, per-batch losses, metrics and test losses equal bp.BPTT's (3: uneven shares)."""
+  trainer = _compare(Scenario(model=model, sizes=SIZES, test_size=8), mesh, num_micro_batch=num_micro_batch)
+  assert trainer.compilations['fit'] == 2  # one per batch size
+  share = plan_micro_batches(3, num_micro_batch=num_micro_batch).describe().split(' = ')[1]
+  assert trainer.describe_batch(24) == f'batch 24 = 8 devices x ({share})'
+
+
+def test_time_first_dict_inputs_and_summed_loss(mesh):
+  _compare(Scenario(sizes=SIZES, time_first=True, dict_inputs=True, model='dict_rnn', test_size=8), mesh, num_micro_batch=2)
+  _compare(Scenario(sizes=SIZES, loss='sum', test_size=8), mesh, num_micro_batch=2, grad_reduction='sum')
+
+
+def test_class_targets_with_time_first_inputs(mesh):
+  _compare(Scenario(sizes=SIZES, time_first=True, loss='last_step', test_size=8), mesh, micro_batch_size=1)
+
+
+def test_accumulate_steps_over_devices(mesh):
+  """Two batches per update, with a short last window: bp.BPTT on the concatenated batches."""
+  batches = make_batches((16, 8, 16, 24, 8))  # windows 16+8, 16+24 and the short last 8
+  params, trainer = train(AccumBPTT, batches, num_micro_batch=2, accumulate_steps=2, mesh=mesh)
+  expected, _ = train(bp.BPTT, windows(batches, 2))
+  assert_trees_close(params, expected)
+  assert trainer.compilations['fit'] == 3  # collecting at 16; updating at 8 and at 24
+
+
+def test_nonfinite_batch_is_dropped_on_every_device(mesh):
+  """A NaN in one device's share drops the whole batch from its window, on all devices alike."""
+  batches = make_batches((16, 8, 16, 8))
+  bad_x = batches[1][0].copy()
+  bad_x[5, 2, 0] = np.nan  # sample 5: the share of device 5 only
+  batches[1] = (bad_x, batches[1][1])
+  params, trainer = train(AccumBPTT, batches, num_micro_batch=2, accumulate_steps=2, skip_nonfinite=True,
+                          mesh=mesh)
+  expected, _ = train(bp.BPTT, [batches[0], concat(batches[2:])])
+  assert_trees_close(params, expected)
+  assert int(trainer.skipped_steps.value) == 2  # once per epoch
+
+
+def test_all_reduce_once_per_update_whatever_num_micro_batch(mesh):
+  """The compiled step adds the devices' gradients in one all-reduce, outside every loop, for any N."""
+  x, y = make_batches((64,))[0]
+  counts = []
+  for num_micro_batch in (1, 2, 4, 8):
+    model = make_model('rnn')
+    model.reset(64)
+    trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=num_micro_batch, mesh=mesh)
+    counts.append(count_all_reduces(trainer.compile_step(x, y).as_text()))
+  num_params = sum(p.size for p in params_of(model))
+  assert [c.total for c in counts] == [1] * 4, counts
+  assert [c.in_loops for c in counts] == [0] * 4, counts
+  assert all(num_params <= c.elements <= num_params + 4 for c in counts), (num_params, counts)
+
+
+def test_window_steps_do_not_reduce_gradients(mesh):
+  """With accumulate_steps the gradients cross devices only in the step that updates."""
+  x, y = make_batches((64,))[0]
+  model = make_model('rnn')
+  model.reset(64)
+  trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=4, mesh=mesh, accumulate_steps=4)
+  num_params = sum(p.size for p in params_of(model))
+  collect = count_all_reduces(trainer.compile_step(x, y, update=False).as_text())
+  update = count_all_reduces(trainer.compile_step(x, y, update=True).as_text())
+  assert collect.in_loops == update.in_loops == 0
+  assert collect.elements < 8 <= num_params <= update.elements, (collect, update)  # only the loss and weights
+
+
+def test_counter_sees_a_reduction_inside_the_loop(mesh):
+  """Control for the tests above: a psum inside a scan body is found and counted as in a loop."""
+  def per_step(x):
+    return jax.lax.scan(lambda c, xi: (c + jax.lax.psum(xi.sum(), 'batch'), None), 0., x)[0]
+  fn = jax.jit(jax.shard_map(per_step, mesh=mesh, in_specs=PartitionSpec('batch'), out_specs=PartitionSpec()))
+  count = count_all_reduces(fn.lower(jnp.ones((8 * 100, 4))).compile().as_text())  # 100 steps per device
+  assert count.in_loops >= 1
+
+
+def test_batch_not_divisible_by_devices_is_rejected_before_any_change(mesh):
+  model = make_model('rnn')
+  trainer = AccumBPTT(model, 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.1), num_micro_batch=2,
+                      mesh=mesh, progress_bar=False)
+  params, opt_state = params_of(model), optimizer_state(trainer)
+  with pytest.raises(ValueError, match=r'batch_size=12 does not split evenly over the 8 devices .* 8 or 16'):
+    trainer.fit(make_batches((12,)), num_epoch=1)
+  assert_trees_close(params_of(model), params, rtol=0, atol=0)
+  assert_trees_close(optimizer_state(trainer), opt_state, rtol=0, atol=0)
+
+
+def test_two_axis_mesh_splits_the_named_axis(mesh):
+  grid = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ('batch', 'replica'))
+  _compare(Scenario(sizes=(8, 8, 4), test_size=4), grid, num_micro_batch=2, mesh_axis='batch')  # shares 2, 2, 1
+
+
+def test_memory_per_device_falls_with_devices(mesh):
+  """XLA's per-device temporary memory of the step shrinks as more devices share the batch."""
+  x, y = make_batches((64,), num_time=20)[0]
+  temps = []
+  for count in (1, 2, 4, 8):
+    model = make_model('rnn', n_hidden=32)
+    model.reset(64)
+    sub = Mesh(np.array(jax.devices()[:count]), ('batch',))
+    trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2, mesh=sub)
+    temps.append(trainer.compile_step(x, y).memory_analysis().temp_size_in_bytes)
+  assert temps == sorted(temps, reverse=True) and temps[-1] < 0.3 * temps[0], temps
+
+
+def test_devices_draw_different_random_numbers(mesh):
+  """A model with noise inside the step: the same sample on two devices gets different noise."""
+  class Noisy(bp.DynamicalSystem):
+    def __init__(self):
+      super().__init__()
+      self.out = bp.dnn.Dense(3, 2)
+
+    def update(self, x):
+      return self.out(x + bm.random.normal(size=x.shape))
+
+  bm.random.seed(0)
+  with bm.training_environment():
+    model = Noisy()
+  seen = []
+
+  def loss(predicts, targets):
+    jax.debug.callback(lambda p: seen.append(np.asarray(p)), predicts)
+    return bp.losses.mean_squared_error(predicts, targets)
+
+  trainer = AccumBPTT(model, loss, num_micro_batch=1, mesh=mesh, progress_bar=False)
+  x = np.ones((8, 4, 3), 'float32')  # identical samples, one per device
+  trainer.fit([(x, np.zeros((8, 4, 2), 'float32'))], num_epoch=1)
+  outputs = np.concatenate([s.reshape(-1, 2) for s in seen])
+  assert len(np.unique(outputs.round(5), axis=0)) == len(outputs)
