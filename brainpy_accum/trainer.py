@@ -354,7 +354,13 @@ class AccumBPTT(bp.BPTT):
       shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
       measure = lambda size: self.compiled_step_bytes(
         plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets)
-      size, used = choose_micro_batch_size(share, self.memory_budget, measure)
+      try:
+        size, used = choose_micro_batch_size(share, self.memory_budget, measure)
+      except ValueError as error:
+        if self.mesh is None:
+          raise
+        raise ValueError(f'{error} With the mesh, each of the {self.num_devices} devices holds {share} samples of '
+                         f'the batch of {batch_size}, and memory_budget is per device.') from None
       plan = plan_micro_batches(share, micro_batch_size=size)
       self.memory_plans[batch_size] = (plan, used)
       per_device = '' if self.mesh is None else ' per device'

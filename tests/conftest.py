@@ -2,3 +2,13 @@ import sys
 import pathlib
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+
+def pytest_collection_finish(session):
+  """Start the subprocess checks of ``test_mesh.py`` early, so they run beside the other tests."""
+  import background
+  names = {item.name for item in session.items}
+  if 'test_on_eight_simulated_devices' in names:
+    background.start_eight_devices()
+  if 'test_two_processes_over_loopback_match_one_process' in names:
+    background.start_two_processes()

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec
 from brainpy_accum import AccumBPTT, count_all_reduces, plan_micro_batches
 from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
 from test_equivalence import Scenario, run
-from test_training_loop import concat, train, windows
+from test_training_loop import ClippedBPTT, _variable_length_batches, concat, masked_mse, train, windows
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 (simulated) devices')
 
@@ -76,6 +76,28 @@ def test_nonfinite_batch_is_dropped_on_every_device(mesh):
   assert int(trainer.skipped_steps.value) == 2  # once per epoch
 
 
+def test_masked_loss_weights_add_up_over_devices(mesh):
+  """loss_weight_fn: the devices' weighted sums make the whole batch's normalised masked loss."""
+  batches = _variable_length_batches()
+  valid_steps = lambda inputs, targets: targets['mask'].sum()
+  params, _ = train(AccumBPTT, batches, loss=masked_mse, num_micro_batch=1, loss_weight_fn=valid_steps, mesh=mesh)
+  expected, _ = train(bp.BPTT, batches, loss=masked_mse)
+  assert_trees_close(params, expected)
+
+
+def test_clipping_and_memory_planner_over_devices(mesh):
+  """clip_grad_norm clips the gradient combined over devices; 'auto' plans each device's share."""
+  batches = make_batches((16, 8))
+  params, _ = train(AccumBPTT, batches, num_micro_batch=2, clip_grad_norm=ClippedBPTT.max_norm, mesh=mesh)
+  expected, _ = train(ClippedBPTT, batches)
+  assert_trees_close(params, expected)
+  params, trainer = train(AccumBPTT, batches, num_micro_batch='auto', memory_budget='1MiB', mesh=mesh)
+  expected, _ = train(bp.BPTT, batches)
+  assert_trees_close(params, expected)
+  plan, used = trainer.memory_plans[16]
+  assert plan.batch_size == 2 and used <= 2 ** 20  # 16 samples: 2 per device, planned per device
+
+
 def test_all_reduce_once_per_update_whatever_num_micro_batch(mesh):
   """The compiled step adds the devices' gradients in one all-reduce, outside every loop, for any N."""
   x, y = make_batches((64,))[0]
@@ -131,10 +153,10 @@ def test_two_axis_mesh_splits_the_named_axis(mesh):
 
 def test_memory_per_device_falls_with_devices(mesh):
   """XLA's per-device temporary memory of the step shrinks as more devices share the batch."""
-  x, y = make_batches((64,), num_time=20)[0]
+  x, y = make_batches((64,), num_time=10)[0]
   temps = []
   for count in (1, 2, 4, 8):
-    model = make_model('rnn', n_hidden=32)
+    model = make_model('rnn', n_hidden=16)
     model.reset(64)
     sub = Mesh(np.array(jax.devices()[:count]), ('batch',))
     trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2, mesh=sub)
@@ -166,3 +188,15 @@ def test_devices_draw_different_random_numbers(mesh):
   trainer.fit([(x, np.zeros((8, 4, 2), 'float32'))], num_epoch=1)
   outputs = np.concatenate([s.reshape(-1, 2) for s in seen])
   assert len(np.unique(outputs.round(5), axis=0)) == len(outputs)
+
+
+def test_devices_benchmark_measures():
+  """``python -m brainpy_accum.bench.devices`` at a tiny size: figures come out and the table is written."""
+  from brainpy_accum.bench.devices import markdown, measure_one
+  from brainpy_accum.bench.workloads import Shape
+
+  tiny = Shape(batch=16, time=4, hidden=8, inputs=4)
+  rows = [measure_one('rnn', tiny, devices, 2, steps=1) for devices in (None, 8)]
+  assert rows[0]['all_reduce'] == 0 and rows[1]['all_reduce'] == 1 and rows[1]['all_reduce_in_loops'] == 0
+  assert rows[1]['temp'] < rows[0]['temp'] and rows[1]['step_s'] > 0
+  assert '| rnn | no mesh | 2 |' in markdown(rows, '# Scaling') and '| rnn | 8 | 2 |' in markdown(rows, '#')

@@ -1,29 +1,16 @@
 """The ``mesh`` option: argument checks and a one-device mesh here; 8 simulated devices and two processes
 in subprocesses, since JAX fixes its devices when it starts."""
 
-import os
-import pathlib
-import socket
-import subprocess
-import sys
-
 import brainpy as bp
 import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import background
 from brainpy_accum import AccumBPTT
 from helpers import assert_trees_close, make_model, params_of
 from test_equivalence import Scenario, run
-
-HERE = pathlib.Path(__file__).parent
-
-
-def _env(**extra):
-  env = dict(os.environ, **extra)
-  env['PYTHONPATH'] = os.pathsep.join([str(HERE)] + [p for p in [env.get('PYTHONPATH')] if p])
-  return env
 
 
 @pytest.mark.parametrize('kwargs, error, message', [
@@ -51,38 +38,25 @@ def test_one_device_mesh_equals_bptt():
 
 
 def test_on_eight_simulated_devices():
-  """Runs ``multidevice_checks.py`` in its own pytest session on 8 simulated CPU devices."""
-  result = subprocess.run(
-    [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-o', 'addopts=',
-     str(HERE / 'multidevice_checks.py')],
-    env=_env(XLA_FLAGS='--xla_force_host_platform_device_count=8'), capture_output=True, text=True, timeout=900)
-  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-  assert ' passed' in result.stdout and 'skipped' not in result.stdout, result.stdout[-2000:]
+  """``multidevice_checks.py`` in its own pytest session on 8 simulated CPU devices (started at collection)."""
+  job = background.finish('eight_devices', background.start_eight_devices)
+  text = background.output(job)
+  assert job.processes[0].returncode == 0, text
+  assert ' passed' in text and 'skipped' not in text, text
 
 
-def _free_port() -> int:
-  with socket.socket() as probe:
-    probe.bind(('127.0.0.1', 0))
-    return probe.getsockname()[1]
-
-
-def test_two_processes_over_loopback_match_one_process(tmp_path):
+def test_two_processes_over_loopback_match_one_process():
   """jax.distributed with 2 processes x 2 CPU devices: both end with bp.BPTT's single-process parameters."""
   from multihost_data import BATCHES, NUM_EPOCH, make_trainer_kwargs
 
-  port = _free_port()
-  workers = [subprocess.Popen([sys.executable, str(HERE / 'multihost_worker.py'), str(i), str(port), str(tmp_path)],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-  logs = [worker.communicate(timeout=600)[0] for worker in workers]
-  assert [w.returncode for w in workers] == [0, 0], '\n'.join(log[-3000:] for log in logs)
-
+  job = background.finish('two_processes', background.start_two_processes)
+  assert [p.returncode for p in job.processes] == [0, 0], background.output(job)
   model = make_model('rnn')
   kwargs = make_trainer_kwargs()
   kwargs.pop('num_micro_batch')
   reference = bp.BPTT(model, bp.losses.mean_squared_error, **kwargs)
   reference.fit(BATCHES, num_epoch=NUM_EPOCH)
-  results = [np.load(tmp_path / f'process_{i}.npz') for i in range(2)]
+  results = [np.load(job.out_dir / f'process_{i}.npz') for i in range(2)]
   for result in results:
     assert list(result['devices']) == [4, 2]  # 4 devices over 2 processes
     params = [result[f'arr_{i}'] for i in range(len(params_of(model)))]
