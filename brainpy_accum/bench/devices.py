@@ -96,6 +96,7 @@ def markdown(results: List[dict], header: str) -> str:
 
 def plot(results: List[dict], path: str) -> None:
   import matplotlib
+  import matplotlib.ticker
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
@@ -115,7 +116,12 @@ def plot(results: List[dict], path: str) -> None:
   axes[1].set(xlabel='simulated devices (N=4 each)', ylabel='step time (s), shared CPU cores', xscale='log')
   axes[2].set(xlabel='micro-batches per device (8 simulated devices)', ylabel='per compiled step', xscale='log')
   for ax in axes:
+    ax.set_xticks(DEVICES)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=8)
+  axes[0].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+  axes[2].set_ylim(-0.1, 2)
   fig.suptitle('AccumBPTT on SIMULATED CPU devices (one 2-core machine): memory and communication, not speed')
   fig.tight_layout()
   fig.savefig(path, dpi=110)
