@@ -43,7 +43,9 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
       step = _step_for(trainer, phase, update=last or (position + 1) % window == 0)
       with count_compilations() as compiled:
         result = step(options.shared_args, inputs, targets)
-      trainer.note_compilations('fit' if phase == 'fit' else 'loss', compiled())
+      step_phase = 'fit' if phase == 'fit' else 'loss'
+      if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
+        trainer.note_compilations(step_phase, compiled())
       loss, aux = _split_result(trainer, phase, result)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
       if bar is not None:
