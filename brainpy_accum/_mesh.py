@@ -14,9 +14,9 @@ from typing import Any, Optional
 import brainstate
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ['check_mesh', 'mesh_size', 'check_divisible', 'batch_spec', 'sum_across_devices',
+__all__ = ['check_mesh', 'auto_axes', 'mesh_size', 'check_divisible', 'batch_spec', 'sum_across_devices',
            'random_states', 'per_device_random', 'place']
 
 
@@ -39,6 +39,20 @@ def check_mesh(mesh, mesh_axis) -> Optional[str]:
   if mesh_axis not in names:
     raise ValueError(f'{mesh_axis=} is not an axis of the mesh, whose axes are {names}.')
   return mesh_axis
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+  """The same devices and axis names with every axis of type ``Auto``.
+
+  ``jax.make_mesh`` makes ``Explicit`` axes, whose sharding-in-types would
+  reject slicing a micro-batch out of a sharded array while the step is
+  traced at the whole batch's shape. The step partitions the batch itself
+  (``shard_map``) and replicates the rest, so it needs no explicit types.
+  """
+  types = getattr(mesh, 'axis_types', None)
+  if types is None or all(t == AxisType.Auto for t in types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def mesh_size(mesh: Mesh, axis: str) -> int:

@@ -23,7 +23,7 @@ from ._plan import MicroBatchPlan, plan_micro_batches
 from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory, parse_memory
 from ._remat import checkpointed_time_loop
 from ._fit_loop import LoopOptions, run_epoch
-from ._mesh import batch_spec, check_divisible, check_mesh, mesh_size, per_device_random
+from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random
 from ._mesh import place, random_states, sum_across_devices
 from ._report import PhaseLog
 from ._update import all_finite, clip_by_global_norm, guarded_update
@@ -188,7 +188,7 @@ class AccumBPTT(bp.BPTT):
     self.loss_weight_fn = loss_weight_fn
     self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
     self.skip_nonfinite = skip_nonfinite
-    self.mesh = mesh
+    self.mesh = None if mesh is None else auto_axes(mesh)
     self.skipped_steps = bm.Variable(jnp.zeros((), jnp.int32))
     params = self.target.train_vars().unique()
     copies = None if mesh is None else self.num_devices

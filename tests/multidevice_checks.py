@@ -146,8 +146,9 @@ def test_batch_not_divisible_by_devices_is_rejected_before_any_change(mesh):
   assert_trees_close(optimizer_state(trainer), opt_state, rtol=0, atol=0)
 
 
-def test_two_axis_mesh_splits_the_named_axis(mesh):
-  grid = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ('batch', 'replica'))
+def test_two_axis_mesh_splits_the_named_axis():
+  """A mesh from jax.make_mesh (Explicit axis types) with a replica axis: only 'batch' splits the batch."""
+  grid = jax.make_mesh((4, 2), ('batch', 'replica'))
   _compare(Scenario(sizes=(8, 8, 4), test_size=4), grid, num_micro_batch=2, mesh_axis='batch')  # shares 2, 2, 1
 
 
@@ -200,3 +201,18 @@ def test_devices_benchmark_measures():
   assert rows[0]['all_reduce'] == 0 and rows[1]['all_reduce'] == 1 and rows[1]['all_reduce_in_loops'] == 0
   assert rows[1]['temp'] < rows[0]['temp'] and rows[1]['step_s'] > 0
   assert '| rnn | no mesh | 2 |' in markdown(rows, '# Scaling') and '| rnn | 8 | 2 |' in markdown(rows, '#')
+
+
+def test_stateful_chunks_and_predict_over_devices(mesh):
+  """reset_state=False carries each sample's state on its device; predict after fit sees the same model."""
+  results = []
+  for cls, kwargs in ((bp.BPTT, {}), (AccumBPTT, {'num_micro_batch': 2, 'mesh': mesh})):
+    model = make_model('snn')
+    trainer = cls(model, bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False,
+                  **kwargs)
+    model.reset(16)
+    trainer.fit(make_batches((16, 16, 16)), num_epoch=1, reset_state=False)
+    state = [np.asarray(model.lif.V), np.asarray(model.lif.t_last_spike)]
+    predicted = np.asarray(trainer.predict(make_batches((8,), seed=3)[0][0], reset_state=True))
+    results.append((params_of(model), np.asarray(trainer.train_losses), state, predicted))
+  assert_trees_close(results[1], results[0])
