@@ -48,8 +48,11 @@ class MicroBatchPlan(NamedTuple):
 
   def describe(self) -> str:
     """A short human-readable summary, e.g. ``'batch 10 = 3 x 3 + 1'``."""
-    text = f'batch {self.batch_size} = {self.num_full} x {self.micro_batch_size}'
-    return text + (f' + {self.remainder}' if self.remainder else '')
+    return f'batch {self.batch_size} = {self.describe_cuts()}'
+
+  def describe_cuts(self) -> str:
+    """The micro-batches alone, e.g. ``'3 x 3 + 1'``."""
+    return f'{self.num_full} x {self.micro_batch_size}' + (f' + {self.remainder}' if self.remainder else '')
 
 
 def check_positive_int(name: str, value, fix: str) -> int:

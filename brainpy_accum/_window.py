@@ -51,6 +51,14 @@ def with_last_flag(items: Iterable) -> Iterator[Tuple[object, bool]]:
   yield previous, True
 
 
+def _kept(grads: Dict, weight, keep: Optional[object]):
+  """``(grads, weight)`` as float32 weight, both zeroed where ``keep`` is False (``None`` keeps all)."""
+  weight = jnp.asarray(weight, jnp.float32)
+  if keep is None:
+    return grads, weight
+  return {k: jnp.where(keep, g, jnp.zeros_like(g)) for k, g in grads.items()}, jnp.where(keep, weight, 0.)
+
+
 class GradWindow:
   """Sum of weighted batch gradients and of their weights since the last update, in Variables.
 
@@ -68,10 +76,7 @@ class GradWindow:
 
   def add(self, grads: Dict, weight, keep: Optional[object] = None) -> None:
     """Add one batch's gradients (a mean over it) with its weight; ``keep=False`` drops them."""
-    weight = jnp.asarray(weight, jnp.float32)
-    if keep is not None:
-      weight = jnp.where(keep, weight, 0.)
-      grads = {k: jnp.where(keep, g, jnp.zeros_like(g)) for k, g in grads.items()}
+    grads, weight = _kept(grads, weight, keep)
     sums = add_scaled({k: v.value for k, v in self.grads.items()}, weight, grads)
     for k, var in self.grads.items():
       var.value = sums[k]
@@ -79,10 +84,7 @@ class GradWindow:
 
   def add_sums(self, grad_sums: Dict, weight, keep: Optional[object] = None) -> None:
     """Add already weighted gradient sums (one device's, inside a shard) and their weight."""
-    weight = jnp.asarray(weight, jnp.float32)
-    if keep is not None:
-      weight = jnp.where(keep, weight, 0.)
-      grad_sums = {k: jnp.where(keep, g, jnp.zeros_like(g)) for k, g in grad_sums.items()}
+    grad_sums, weight = _kept(grad_sums, weight, keep)
     for k, var in self.grads.items():
       var.value = var.value + grad_sums[k].astype(var.dtype)  # broadcasts over a device row
     self.weight.value = self.weight.value + weight

@@ -1,5 +1,6 @@
 """``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation over micro-batches inside one compiled step."""
 
+import contextlib
 import functools
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
@@ -288,18 +289,19 @@ class AccumBPTT(bp.BPTT):
     """
     if self.mesh is None:
       return
+    split = self._split_variables(with_window=True)
+    specs = {id(var): spec for var, spec in split}
+    variables = list(self.vars().unique().values()) + [var for var, _ in split] + random_states(self.target)
+    place([(var, specs.get(id(var), PartitionSpec())) for var in variables], self.mesh)
+
+  def _split_variables(self, with_window: bool):
+    """``(Variable, partition)`` of every Variable split over the mesh: model states along their batch axis
+    and, ``with_window``, the ``accumulate_steps`` window one row per device. All others are replicated."""
     axis = self.mesh_axis
-    batched = {id(v): v.batch_axis for v in self._batched_states().values()}
-    rows = {id(v) for v in self._window.variables().values()} if self._window is not None else set()
-
-    def spec(var):
-      if id(var) in batched:
-        return batch_spec(batched[id(var)], axis)
-      return batch_spec(0, axis) if id(var) in rows else PartitionSpec()
-
-    window = list(self._window.variables().values()) if self._window is not None else []
-    variables = list(self.vars().unique().values()) + window + random_states(self.target)
-    place([(var, spec(var)) for var in variables], self.mesh)
+    split = [(var, batch_spec(var.batch_axis, axis)) for var in self._batched_states().values()]
+    if with_window and self._window is not None:
+      split += [(var, batch_spec(0, axis)) for var in self._window.variables().values()]
+    return split
 
   def describe_batch(self, batch_size: int) -> str:
     """How a batch of ``batch_size`` samples is cut, as the report line shows it.
@@ -313,10 +315,10 @@ class AccumBPTT(bp.BPTT):
     >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).describe_batch(10)
     'batch 10 = 3 x 3 + 1'
     """
-    text = self.plan_for(batch_size).describe()
+    plan = self.plan_for(batch_size)
     if self.mesh is None:
-      return text
-    return f'batch {batch_size} = {self.num_devices} devices x ({text.split(" = ", 1)[1]})'
+      return plan.describe()
+    return f'batch {batch_size} = {self.num_devices} devices x ({plan.describe_cuts()})'
 
   def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None) -> MicroBatchPlan:
     """Choose and cache the fewest micro-batches whose compiled train step fits ``memory_budget``.
@@ -404,11 +406,17 @@ class AccumBPTT(bp.BPTT):
     """
     shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
     step = bm.jit(functools.partial(self._train_step, plan=plan, update=update), static_argnums=(0,))
-    show_bars, self.progress_bar = self.progress_bar, False  # as in fit: no per-time-step bars inside the step
-    try:
+    with self._without_time_step_bars():
       return step.compile(shared_args, inputs, targets)
+
+  @contextlib.contextmanager
+  def _without_time_step_bars(self):
+    """Trace steps without bp.BPTT's per-time-step progress bars (host callbacks inside the compiled step)."""
+    shown, self.progress_bar = self.progress_bar, False
+    try:
+      yield
     finally:
-      self.progress_bar = show_bars
+      self.progress_bar = shown
 
   def check_batch(self, inputs: Any, targets: Any) -> BatchLayout:
     """Check one batch and return its layout; raises ``ValueError`` before anything changes.
@@ -525,10 +533,9 @@ class AccumBPTT(bp.BPTT):
     (``None, None`` unless ``update``), then the batch's total weight, loss and metric sums and the number of
     devices whose gradient was not finite (one small all-reduce of scalars per batch, for the report).
     """
-    grad_sum, total, loss_sum, aux_sum = sums
+    grad_sum, local_total, loss_sum, aux_sum = sums
     bad = jnp.zeros((), jnp.int32) if not self.skip_nonfinite else (~all_finite(grad_sum)).astype(jnp.int32)
-    total, loss_sum, aux_sum, bad = sum_across_devices((total, loss_sum, aux_sum, bad), axis)
-    local_total = sums[1]
+    total, loss_sum, aux_sum, bad = sum_across_devices((local_total, loss_sum, aux_sum, bad), axis)
     self._window.add_sums(grad_sum, local_total, keep=(bad == 0) if self.skip_nonfinite else None)
     window_sums, window_weight = sum_across_devices(self._window.take_sums(), axis) if update else (None, None)
     return window_sums, window_weight, total, loss_sum, aux_sum, bad
@@ -624,9 +631,7 @@ class AccumBPTT(bp.BPTT):
     states = self._batched_states()
     for k, var in states.items():
       var.value = self._state_for_batch(k, var, layout.batch_size)
-    state_specs = {var: batch_spec(var.batch_axis, axis) for var in states.values()}
-    if window_update is not None:  # one row of the window per device
-      state_specs.update({var: batch_spec(0, axis) for var in self._window.variables().values()})
+    state_specs = dict(self._split_variables(with_window=window_update is not None))
     leaves, treedef = jax.tree_util.tree_flatten((inputs, targets), is_leaf=lambda x: isinstance(x, bm.Array))
     leaf_axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
     local_layout = BatchLayout(plan.batch_size, layout.input_axes, layout.target_axes)
@@ -766,15 +771,13 @@ class AccumBPTT(bp.BPTT):
     shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
     options = LoopOptions(num_report, reset_state, shared_args, fun_after_report, show_bars=self.progress_bar)
     logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
-    self.progress_bar = False  # no per-time-step bars inside the step
     try:
-      with brainstate.environ.context(fit=True):
+      with self._without_time_step_bars(), brainstate.environ.context(fit=True):
         for epoch in range(num_epoch):
           run_epoch(self, 'fit', train_data, logs['fit'], epoch, options)
           self.optimizer.lr.step_epoch()
           if test_data is not None:
             run_epoch(self, 'test', test_data, logs['test'], epoch, options)
     finally:
-      self.progress_bar = options.show_bars
       self._report_train_metrics, self._detailed_train_metrics = logs['fit'].arrays()
       self._report_test_metrics, self._detailed_test_metrics = logs['test'].arrays()
