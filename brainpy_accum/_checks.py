@@ -5,6 +5,7 @@ import warnings
 
 
 from ._accumulate import GRAD_REDUCTIONS
+from ._errors import BareBatchError, RemovedArgumentError, ReportCallbackError
 from ._plan import check_positive_int
 from ._planner import parse_memory
 
@@ -18,9 +19,6 @@ def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, t
   if num_micro_batch is not None and micro_batch_size is not None:
     raise ValueError(f'Give exactly one of num_micro_batch and micro_batch_size, not both; got '
                      f'{num_micro_batch=} and {micro_batch_size=}.')
-  if num_micro_batch is None and micro_batch_size is None:
-    raise ValueError('Give one of num_micro_batch (e.g. num_micro_batch=4) or micro_batch_size '
-                     '(e.g. micro_batch_size=32); neither was given.')
   if num_micro_batch == 'auto':
     if memory_budget is None:
       raise ValueError("num_micro_batch='auto' needs memory_budget, e.g. memory_budget='2GiB'.")
@@ -77,8 +75,12 @@ def warn_batch_statistics(model) -> None:
                   UserWarning, stacklevel=3)
 
 
-def check_fit_args(num_epoch, num_report, reset_state, fun_after_report) -> None:
+def check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size=None) -> None:
   """Validate the loop arguments of :meth:`AccumBPTT.fit`."""
+  if batch_size is not None:
+    raise RemovedArgumentError(f'fit({batch_size=}) is no longer supported (neither by bp.BPTT): give the data as '
+                               f'an iterable of (inputs, targets) batches of the size you want, e.g. '
+                               f'[(X[i:i + {batch_size}], Y[i:i + {batch_size}]) for i in range(0, len(X), {batch_size})].')
   if isinstance(num_epoch, bool) or not isinstance(num_epoch, int) or num_epoch < 0:
     raise ValueError(f'{num_epoch=} must be a non-negative int.')
   if isinstance(num_report, bool) or not isinstance(num_report, int):
@@ -86,7 +88,7 @@ def check_fit_args(num_epoch, num_report, reset_state, fun_after_report) -> None
   if not isinstance(reset_state, bool):
     raise TypeError(f'{reset_state=} must be True or False.')
   if fun_after_report is not None and not callable(fun_after_report):
-    raise TypeError(f'{fun_after_report=} must be callable as fun_after_report(idx, metrics, phase).')
+    raise ReportCallbackError(f'{fun_after_report=} must be callable as fun_after_report(idx, metrics, phase).')
 
 
 def check_data(name: str, data) -> None:
@@ -98,5 +100,5 @@ def check_data(name: str, data) -> None:
                     f'got {type(data).__name__}.')
   if isinstance(data, (tuple, list)) and len(data) == 2 and all(hasattr(d, 'shape') or isinstance(d, dict)
                                                                for d in data):
-    raise TypeError(f'{name} looks like one bare (X, Y) pair. Give an iterable of batches instead, '
+    raise BareBatchError(f'{name} looks like one bare (X, Y) pair. Give an iterable of batches instead, '
                     f'e.g. {name}=[(X, Y)] for a single batch.')

@@ -64,7 +64,8 @@ class AccumBPTT(bp.BPTT):
     The optimizer; defaults as in :class:`brainpy.BPTT`.
   num_micro_batch : int or 'auto', optional
     Cut each batch into at most this many micro-batches of
-    ``ceil(batch_size / num_micro_batch)`` samples. Give this or ``micro_batch_size``.
+    ``ceil(batch_size / num_micro_batch)`` samples. Give this or ``micro_batch_size``;
+    with neither, each batch runs whole (``1``), exactly as in :class:`brainpy.BPTT`.
     ``'auto'`` picks, for each batch size, the fewest micro-batches whose
     compiled train step fits ``memory_budget`` (see :meth:`plan_memory`).
   micro_batch_size : int, optional
@@ -173,6 +174,8 @@ class AccumBPTT(bp.BPTT):
       **kwargs,
   ):
     self.mesh_axis = check_mesh(mesh, mesh_axis)
+    if num_micro_batch is None and micro_batch_size is None:
+      num_micro_batch = 1  # no option: bp.BPTT's whole-batch step
     check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
     check_remat(remat)
     check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite)
@@ -737,6 +740,7 @@ class AccumBPTT(bp.BPTT):
       reset_state: bool = True,
       shared_args: Optional[Dict] = None,
       fun_after_report: Optional[Callable] = None,
+      batch_size: None = None,
   ) -> None:
     """Train on ``train_data`` for ``num_epoch`` epochs, one optimizer update per batch.
 
@@ -763,8 +767,11 @@ class AccumBPTT(bp.BPTT):
       Shared arguments for the model; ``fit`` is set to ``True`` unless given.
     fun_after_report : callable, optional
       Called as ``fun_after_report(idx, metrics, phase)`` after each report.
+    batch_size : None
+      Removed from :class:`brainpy.BPTT`: give batches in the data. Anything
+      but ``None`` raises, as in BrainPy (an instance of its ``NoLongerSupportError``).
     """
-    check_fit_args(num_epoch, num_report, reset_state, fun_after_report)
+    check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size)
     check_data('train_data', train_data)
     if test_data is not None:
       check_data('test_data', test_data)

@@ -24,6 +24,7 @@ class Job(NamedTuple):
 
 
 _jobs: Dict[str, Job] = {}
+NUM_MICRO_BATCH_FOR_BRAINPY_SUITE = (2, 3)  # even and uneven splits of BrainPy's batches of 2 and 3
 
 
 def env(**extra) -> dict:
@@ -42,6 +43,7 @@ def _free_port() -> int:
 def _start(name: str, commands: List[List[str]], environment: dict) -> None:
   out_dir = pathlib.Path(tempfile.mkdtemp(prefix=f'brainpy_accum_{name}_'))
   logs = [out_dir / f'log_{i}.txt' for i in range(len(commands))]
+  environment = {key: value.replace('{out}', str(out_dir)) for key, value in environment.items()}
   processes = [subprocess.Popen([arg.replace('{out}', str(out_dir)) for arg in command], env=environment,
                                 stdout=open(log, 'w'), stderr=subprocess.STDOUT, cwd=HERE.parent)
                for command, log in zip(commands, logs)]
@@ -60,6 +62,23 @@ def start_two_processes() -> None:
   port = str(_free_port())
   _start('two_processes', [[sys.executable, str(HERE / 'multihost_worker.py'), str(i), port, '{out}']
                            for i in range(2)], env())
+
+
+def brainpy_test_file() -> pathlib.Path:
+  """BrainPy's own BPTT test file, as the installed brainpy ships it."""
+  import importlib.util
+  package = pathlib.Path(importlib.util.find_spec('brainpy').origin).parent
+  return package / 'train' / 'back_propagation_test.py'
+
+
+def start_brainpy_suite() -> None:
+  """BrainPy's BPTT test file with bp.BPTT switched to AccumBPTT, at num_micro_batch 2 and 3 (uneven)."""
+  ini = pathlib.Path(tempfile.mkdtemp(prefix='brainpy_accum_ini_')) / 'pytest.ini'
+  ini.write_text('[pytest]\n')  # keeps this project's pytest options (doctests, testpaths) out of BrainPy's file
+  command = [sys.executable, '-m', 'pytest', '-q', '-c', str(ini), '--rootdir', str(ini.parent),
+             '-p', 'no:cacheprovider', '-p', 'brainpy_switch', str(brainpy_test_file())]
+  for n in NUM_MICRO_BATCH_FOR_BRAINPY_SUITE:
+    _start(f'brainpy_suite_{n}', [command], env(BRAINPY_ACCUM_N=str(n), BRAINPY_ACCUM_REPORT='{out}/report.json'))
 
 
 def finish(name: str, start, timeout: float = 900) -> Job:

@@ -12,3 +12,5 @@ def pytest_collection_finish(session):
     background.start_eight_devices()
   if 'test_two_processes_over_loopback_match_one_process' in names:
     background.start_two_processes()
+  if any(name.startswith('test_brainpy_own_bptt_tests_pass') for name in names):
+    background.start_brainpy_suite()

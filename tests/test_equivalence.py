@@ -89,6 +89,15 @@ def test_one_micro_batch_is_bitwise_bptt():
   assert_trees_close(metrics, reference(scenario)[1], rtol=0, atol=0)
 
 
+def test_no_accumulation_option_is_bitwise_bptt():
+  """``AccumBPTT(model, loss)``, nothing else: the one-line switch with no option trains as bp.BPTT."""
+  scenario = Scenario()
+  params, metrics, trainer = run(scenario, AccumBPTT)
+  assert trainer.num_micro_batch_for(10) == 1
+  assert_trees_close(params, reference(scenario)[0], rtol=0, atol=0)
+  assert_trees_close(metrics, reference(scenario)[1], rtol=0, atol=0)
+
+
 def test_micro_batch_size_matches_whole_batch_bptt():
   assert_matches_reference(Scenario(model='snn'), micro_batch_size=4)
 

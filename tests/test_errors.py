@@ -2,6 +2,7 @@
 
 import brainpy as bp
 import pytest
+from brainpy._errors import NoLongerSupportError, UnsupportedError
 
 from brainpy_accum import AccumBPTT
 from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
@@ -20,7 +21,6 @@ def make_trainer(**kwargs):
   ({'num_micro_batch': True}, TypeError, 'num_micro_batch=True'),
   ({'num_micro_batch': None, 'micro_batch_size': 0}, ValueError, 'micro_batch_size=0'),
   ({'num_micro_batch': 2, 'micro_batch_size': 4}, ValueError, 'exactly one of num_micro_batch and micro_batch_size'),
-  ({'num_micro_batch': None}, ValueError, 'neither was given'),
   ({'grad_reduction': 'max'}, ValueError, "grad_reduction='max' is unknown: use 'mean'"),
   ({'grad_reduction': None}, TypeError, 'grad_reduction=None'),
   ({'target_batch_axis': -1}, ValueError, 'target_batch_axis=-1'),
@@ -41,10 +41,22 @@ def test_bad_fit_arguments_are_named(fit_kwargs, error, message):
     make_trainer().fit(make_batches((4,)), **fit_kwargs)
 
 
-def test_bare_xy_pair_is_rejected():
+def test_bare_xy_pair_is_rejected_as_type_error_and_as_brainpys_error():
   x, y = make_batches((4,))[0]
-  with pytest.raises(TypeError, match=r'one bare \(X, Y\) pair.*train_data=\[\(X, Y\)\]'):
-    make_trainer().fit((x, y), num_epoch=1)
+  for error in (TypeError, UnsupportedError):
+    with pytest.raises(error, match=r'one bare \(X, Y\) pair.*train_data=\[\(X, Y\)\]'):
+      make_trainer().fit((x, y), num_epoch=1)
+
+
+def test_removed_batch_size_argument_is_named_and_is_brainpys_error():
+  for error in (TypeError, NoLongerSupportError):
+    with pytest.raises(error, match=r'fit\(batch_size=4\) is no longer supported.*X\[i:i \+ 4\]'):
+      make_trainer().fit(make_batches((4,)), batch_size=4)
+
+
+def test_uncallable_report_function_is_also_the_assertion_error_brainpy_raises():
+  with pytest.raises(AssertionError, match='fun_after_report=3 must be callable'):
+    make_trainer().fit(make_batches((4,)), fun_after_report=3)
 
 
 def _mismatched_targets():

@@ -47,6 +47,13 @@ def test_accumulate_steps_equals_bptt_on_concatenated_batches(num_micro_batch):
   assert_trees_close(params, ref_params)
 
 
+def test_accumulate_steps_alone_needs_no_micro_batch_option():
+  batches = make_batches(UNEVEN)
+  params, _ = train(AccumBPTT, batches, accumulate_steps=2)
+  ref_params, _ = train(bp.BPTT, windows(batches, 2))
+  assert_trees_close(params, ref_params)
+
+
 def test_accumulate_steps_schedule_by_epoch():
   batches = make_batches(UNEVEN)
   params, _ = train(AccumBPTT, batches, num_epoch=3, num_micro_batch=2, accumulate_steps={0: 1, 1: 3})
