@@ -31,6 +31,7 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
   batches = data() if callable(data) else data
   bar = tqdm(total=len(cast(Sized, batches))) if options.show_bars and hasattr(batches, '__len__') else None
   window = steps_for_epoch(trainer.accumulate_steps, epoch) if phase == 'fit' else 1
+  log.start_epoch()
   try:
     for position, ((inputs, targets), last) in enumerate(with_last_flag(batches)):
       layout = trainer.check_batch(inputs, targets)  # before anything changes

@@ -25,6 +25,15 @@ class PhaseLog:
     self.plan_text = ''
     self.started = time.time()
 
+  def start_epoch(self) -> None:
+    """Open a fresh report window, as :class:`brainpy.BPTT` does at every epoch.
+
+    With ``num_report > 0`` the batches after an epoch's last report are never
+    reported (nor kept in the detailed history): BrainPy drops them, so do we.
+    """
+    self.window = {'loss': []}
+    self.plan_text = ''
+
   def record(self, loss, aux: dict, plan_text: str) -> None:
     """Keep one batch's loss and auxiliary metrics."""
     self.window['loss'].append(loss)

@@ -10,6 +10,7 @@ Run it with ``python -m brainpy_accum.demo`` (``--help`` for options).
 """
 
 import argparse
+import importlib.util
 import itertools
 import time
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -101,8 +102,22 @@ def _plot(path: str, trainer, memory: dict) -> None:
   plt.close(fig)
 
 
+INSTALL_DEMO = 'pip install "brainpy-accum[demo]"  (from a clone of the repository: pip install ".[demo]")'
+
+
+def missing_modules(names: Sequence[str]) -> List[str]:
+  """The modules among ``names`` that cannot be imported here."""
+  return [name for name in names if importlib.util.find_spec(name) is None]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> float:
-  """Run the demo; return the test accuracy reached."""
+  """Run the demo; return the test accuracy reached.
+
+  Raises
+  ------
+  SystemExit
+    Without scikit-learn (the dataset ships in it), naming the command that installs it.
+  """
   parser = argparse.ArgumentParser(prog='python -m brainpy_accum.demo', description=__doc__.split('\n')[0])
   parser.add_argument('--epochs', type=int, default=30)
   parser.add_argument('--batch-size', type=int, default=256)
@@ -111,6 +126,12 @@ def main(argv: Optional[Sequence[str]] = None) -> float:
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--plot', default='demo_digits.png', help="PNG of the curves and memory ('' for none)")
   args = parser.parse_args(argv)
+  if missing_modules(['sklearn']):
+    raise SystemExit(f'The demo trains on the handwritten digits that ship with scikit-learn, which is not '
+                     f'installed. Install the demo extras:\n  {INSTALL_DEMO}')
+  if args.plot and missing_modules(['matplotlib']):
+    print(f'matplotlib is not installed, so no plot will be written; for the plot: {INSTALL_DEMO}')
+    args.plot = ''
 
   data = load_digits_sequences(seed=args.seed)
   print(f'digits: {len(data.x_train)} train / {len(data.x_test)} test sequences of 8 rows x 8 pixels; '

@@ -37,6 +37,7 @@ def test_one_device_mesh_equals_bptt():
   assert trainer.describe_batch(10) == 'batch 10 = 1 devices x (2 x 4 + 2)'
 
 
+@pytest.mark.multidevice
 def test_on_eight_simulated_devices():
   """``multidevice_checks.py`` in its own pytest session on 8 simulated CPU devices (started at collection)."""
   job = background.finish('eight_devices', background.start_eight_devices)
@@ -45,6 +46,7 @@ def test_on_eight_simulated_devices():
   assert ' passed' in text and 'skipped' not in text, text
 
 
+@pytest.mark.multidevice
 def test_two_processes_over_loopback_match_one_process():
   """jax.distributed with 2 processes x 2 CPU devices: both end with bp.BPTT's single-process parameters."""
   from multihost_data import BATCHES, NUM_EPOCH, make_trainer_kwargs

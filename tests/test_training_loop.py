@@ -275,3 +275,31 @@ def test_models_without_batch_statistics_do_not_warn():
   with warnings.catch_warnings():
     warnings.simplefilter('error', UserWarning)
     AccumBPTT(make_model('rnn'), bp.losses.mean_squared_error, num_micro_batch=2, optimizer=bp.optim.Adam(lr=0.1))
+
+
+# ---------------------------------------------------------------- 10. the recorded history
+
+def _history(cls, num_report, **kwargs):
+  """Everything fit records and reports, for 5 batches per epoch, 3 test batches and 2 epochs."""
+  calls = []
+  model = make_model('rnn')
+  trainer = cls(model, bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False, **kwargs)
+  trainer.fit(make_batches((6, 5, 6, 4, 6)), test_data=make_batches((5, 4, 5), seed=2), num_epoch=2,
+              num_report=num_report, fun_after_report=lambda idx, metrics, phase: calls.append((idx, phase, metrics)))
+  recorded = {(phase, which): trainer.get_hist_metric(phase, 'loss', which)
+              for phase in ('fit', 'test') for which in ('report', 'detailed')}
+  return recorded, calls
+
+
+@pytest.mark.parametrize('num_report', [-1, 1, 2, 3, 7])
+def test_history_and_reports_equal_bptts_for_every_num_report(num_report):
+  """Report windows that straddle an epoch's end are dropped there, as bp.BPTT drops them."""
+  expected, expected_calls = _history(bp.BPTT, num_report)
+  recorded, calls = _history(AccumBPTT, num_report, num_micro_batch=2)
+  assert {k: None if v is None else len(v) for k, v in recorded.items()} == \
+         {k: None if v is None else len(v) for k, v in expected.items()}
+  assert_trees_close({k: v for k, v in recorded.items() if v is not None},
+                     {k: v for k, v in expected.items() if v is not None})
+  assert [(idx, phase, sorted(m)) for idx, phase, m in calls] == \
+         [(idx, phase, sorted(m)) for idx, phase, m in expected_calls]
+  assert_trees_close([m for _, _, m in calls], [m for _, _, m in expected_calls])
