@@ -38,9 +38,11 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
       if options.reset_state:
         trainer.target.reset(layout.batch_size)
         trainer.reset_state()
-      trainer.place_on_mesh()  # the same placement every step: one compilation per batch shape
+      trainer.place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
       if trainer.num_micro_batch == 'auto':
         trainer.plan_memory(inputs, targets, options.shared_args)
+      if phase == 'fit':
+        trainer._check_loss_once(options.shared_args, inputs, targets)  # once per trainer, changes nothing
       step = _step_for(trainer, phase, update=last or (position + 1) % window == 0)
       with count_compilations() as compiled:
         result = step(options.shared_args, inputs, targets)

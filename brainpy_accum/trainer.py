@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import warnings
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
 
 import brainpy as bp
@@ -10,6 +11,7 @@ import brainstate
 import brainstate.environ
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 from brainpy import tools
 from brainpy.running import constants as c
@@ -23,6 +25,9 @@ from ._checks import warn_batch_statistics
 from ._plan import MicroBatchPlan, plan_micro_batches
 from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory, parse_memory
 from ._remat import checkpointed_time_loop
+from ._two_pass import check_whole_batch_loss, forward_outputs, loss_and_cotangents, output_axes, pull_back
+from ._two_pass import second_sizes, traced_shapes, warn_coupled_loss, whole_batch_like
+from ._states import declared_batch_axes, variable_batch_axis
 from ._fit_loop import LoopOptions, run_epoch
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random
 from ._mesh import place, random_states, sum_across_devices
@@ -125,6 +130,25 @@ class AccumBPTT(bp.BPTT):
   mesh_axis : str, optional
     The mesh axis that splits the batch; needed only when the mesh has more
     than one axis (the others then hold replicas).
+  whole_batch_loss : bool
+    ``False`` (default): each micro-batch's loss is its own, and the combined
+    gradient is exact for losses that are a (weighted) mean or sum of
+    per-sample terms. At the first batch :meth:`fit` checks once, with one
+    forward pass, whether the loss is such a mean and warns, with the
+    measured difference, if it is not. ``True``: exact for ANY loss of the
+    whole batch's predictions and monitors (batch-wide firing-rate
+    regularisers, batch statistics, maxima, contrastive terms), by two
+    passes inside the one compiled step: every micro-batch runs forward
+    keeping only its predictions, ``loss_fun`` runs once on the whole
+    batch's predictions and gives their gradient, then every micro-batch
+    runs forward and backward again from the same initial state and random
+    numbers, pulling back its slice of that gradient. Memory: the whole
+    batch's predictions plus one micro-batch's activations; compute: about
+    one extra forward pass. It combines with ``remat``, ``clip_grad_norm``,
+    ``skip_nonfinite`` and the memory planner, but not with
+    ``accumulate_steps > 1`` (the loss of several batches together is not
+    known from their separate losses), ``grad_reduction='sum'``,
+    ``loss_weight_fn`` (the loss itself normalises) or ``mesh``.
   **kwargs
     Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
     ``jit``, ``data_first_axis``, ``progress_bar``, ...).
@@ -171,9 +195,11 @@ class AccumBPTT(bp.BPTT):
       skip_nonfinite: bool = False,
       mesh: Optional[Mesh] = None,
       mesh_axis: Optional[str] = None,
+      whole_batch_loss: bool = False,
       **kwargs,
   ):
     self.mesh_axis = check_mesh(mesh, mesh_axis)
+    check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps, mesh)
     if num_micro_batch is None and micro_batch_size is None:
       num_micro_batch = 1  # no option: bp.BPTT's whole-batch step
     check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
@@ -192,6 +218,8 @@ class AccumBPTT(bp.BPTT):
     self.loss_weight_fn = loss_weight_fn
     self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
     self.skip_nonfinite = skip_nonfinite
+    self.whole_batch_loss = whole_batch_loss
+    self._loss_checked = whole_batch_loss
     self.mesh = None if mesh is None else auto_axes(mesh)
     self.skipped_steps = bm.Variable(jnp.zeros((), jnp.int32))
     params = self.target.train_vars().unique()
@@ -285,23 +313,23 @@ class AccumBPTT(bp.BPTT):
     """Samples each device holds of a batch of ``batch_size``."""
     return batch_size if self.mesh is None else check_divisible(batch_size, self.num_devices, self.mesh_axis)
 
-  def place_on_mesh(self) -> None:
+  def place_on_mesh(self, batch_size: Optional[int] = None) -> None:
     """Put the trainer's Variables on the mesh: model states split along their batch axis, the
     ``accumulate_steps`` window one row per device, everything else (parameters, optimizer state,
     counters, random keys) replicated. :meth:`fit` calls it before every step; without a mesh it does nothing.
     """
     if self.mesh is None:
       return
-    split = self._split_variables(with_window=True)
+    split = self._split_variables(with_window=True, batch_size=batch_size)
     specs = {id(var): spec for var, spec in split}
     variables = list(self.vars().unique().values()) + [var for var, _ in split] + random_states(self.target)
     place([(var, specs.get(id(var), PartitionSpec())) for var in variables], self.mesh)
 
-  def _split_variables(self, with_window: bool):
+  def _split_variables(self, with_window: bool, batch_size: Optional[int] = None):
     """``(Variable, partition)`` of every Variable split over the mesh: model states along their batch axis
     and, ``with_window``, the ``accumulate_steps`` window one row per device. All others are replicated."""
     axis = self.mesh_axis
-    split = [(var, batch_spec(var.batch_axis, axis)) for var in self._batched_states().values()]
+    split = [(var, batch_spec(state_axis, axis)) for var, state_axis in self._batched_states(batch_size).values()]
     if with_window and self._window is not None:
       split += [(var, batch_spec(0, axis)) for var in self._window.variables().values()]
     return split
@@ -518,8 +546,9 @@ class AccumBPTT(bp.BPTT):
     devices add their gradients only when the window closes (``update``): one gradient all-reduce per update."""
     layout = self.check_batch(inputs, targets)
     plan = plan or self.plan_for(layout.batch_size)
-    grad_sum, window_weight, total, loss_sum, aux_sum, bad = self._accumulate_sharded(
-      shared_args, inputs, targets, layout, plan, with_grads=True, window_update=update)
+    with declared_batch_axes(self._batched_states(layout.batch_size).values()):
+      grad_sum, window_weight, total, loss_sum, aux_sum, bad = self._accumulate_sharded(
+        shared_args, inputs, targets, layout, plan, with_grads=True, window_update=update)
     loss, aux = finish_values((loss_sum, aux_sum), total, self.grad_reduction)
     if self.skip_nonfinite:
       self._count_skipped(bad == 0)
@@ -567,8 +596,23 @@ class AccumBPTT(bp.BPTT):
     segment = None if self.remat is True else self.remat
     return checkpointed_time_loop(step, indices, inputs, segment, jit=self.jit['predict'])
 
+  def _predicts(self, shared_args, inputs):
+    """What ``loss_fun`` receives for ``inputs``: the outputs, and the monitors if any (as in bp.BPTT)."""
+    indices = np.arange(self.i0, self.i0 + self._get_input_time_step(xs=inputs), dtype=np.int_)
+    if isinstance(self.target.mode, bm.BatchingMode) and self.data_first_axis == 'B':
+      inputs = jax.tree_util.tree_map(lambda x: bm.moveaxis(x, 0, 1), inputs, is_leaf=lambda x: isinstance(x, bm.Array))
+    outs, mons = self._predict(indices, *(inputs if isinstance(inputs, (tuple, list)) else (inputs,)),
+                               shared_args=shared_args)
+    predicts = (outs, mons) if len(mons) > 0 else outs
+    return jax.tree_util.tree_map(bm.as_jax, predicts, is_leaf=lambda x: isinstance(x, bm.Array))
+
+  def _loss_of(self, predicts, targets):
+    return self._checked_aux(self._loss_func(predicts, targets))
+
   def _loss_and_aux(self, shared_args, inputs, targets):
-    out = self._step_func_loss(shared_args, inputs, targets)
+    return self._checked_aux(self._step_func_loss(shared_args, inputs, targets))
+
+  def _checked_aux(self, out):
     if not self.loss_has_aux:
       return out, {}
     loss, aux = out
@@ -594,13 +638,14 @@ class AccumBPTT(bp.BPTT):
     grads, loss, aux = grad_fn(shared_args, inputs, targets)
     return {k: bm.as_jax(g) for k, g in grads.items()}, loss, aux, weight
 
-  def _batched_states(self) -> Dict[str, bm.Variable]:
-    return {k: v for k, v in self.target.vars().unique().items()
-            if not isinstance(v, bm.TrainVar) and getattr(v, 'batch_axis', None) is not None}
+  def _batched_states(self, batch_size: Optional[int]) -> Dict[str, Tuple[bm.Variable, int]]:
+    """``{name: (Variable, batch axis)}`` of the model states that micro-batches cut (see :mod:`._states`)."""
+    found = {k: (v, variable_batch_axis(k, v, batch_size or 0)) for k, v in self.target.vars().unique().items()}
+    return {k: (v, axis) for k, (v, axis) in found.items() if axis is not None}
 
   @staticmethod
-  def _state_for_batch(name: str, var: bm.Variable, batch_size: int):
-    value, axis = bm.as_jax(var.value), var.batch_axis
+  def _state_for_batch(name: str, var: bm.Variable, axis: int, batch_size: int):
+    value = bm.as_jax(var.value)
     if value.shape[axis] == batch_size:
       return value
     if value.shape[axis] == 1:
@@ -619,9 +664,10 @@ class AccumBPTT(bp.BPTT):
     """
     layout = self.check_batch(inputs, targets)
     plan = plan or self.plan_for(layout.batch_size)
-    if self.mesh is None:
-      return self._accumulate_local(shared_args, inputs, targets, layout, plan, with_grads, finish=True)
-    return self._accumulate_sharded(shared_args, inputs, targets, layout, plan, with_grads)
+    with declared_batch_axes(self._batched_states(layout.batch_size).values()):
+      if self.mesh is None:
+        return self._accumulate_local(shared_args, inputs, targets, layout, plan, with_grads, finish=True)
+      return self._accumulate_sharded(shared_args, inputs, targets, layout, plan, with_grads)
 
   def _accumulate_sharded(self, shared_args, inputs, targets, layout: BatchLayout, plan: MicroBatchPlan,
                           with_grads: bool, window_update: Optional[bool] = None):
@@ -631,10 +677,9 @@ class AccumBPTT(bp.BPTT):
     instead (see :meth:`_window_in_shard`, whose results are returned).
     """
     axis = self.mesh_axis
-    states = self._batched_states()
-    for k, var in states.items():
-      var.value = self._state_for_batch(k, var, layout.batch_size)
-    state_specs = dict(self._split_variables(with_window=window_update is not None))
+    for k, (var, state_axis) in self._batched_states(layout.batch_size).items():
+      var.value = self._state_for_batch(k, var, state_axis, layout.batch_size)
+    state_specs = dict(self._split_variables(with_window=window_update is not None, batch_size=layout.batch_size))
     leaves, treedef = jax.tree_util.tree_flatten((inputs, targets), is_leaf=lambda x: isinstance(x, bm.Array))
     leaf_axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
     local_layout = BatchLayout(plan.batch_size, layout.input_axes, layout.target_axes)
@@ -672,14 +717,16 @@ class AccumBPTT(bp.BPTT):
       grads, loss, aux, weight = self._micro_step(shared_args, inputs, targets, plan.batch_size, with_grads)
       if finish:
         return grads, weight, loss, aux
+    elif self.whole_batch_loss:
+      return self._two_passes(shared_args, inputs, targets, layout, plan, with_grads)
       grad_sum = add_scaled(wide_zeros_like(grads), weight, grads) if with_grads else None
       return (grad_sum, weight) + sum_values((loss[None], jax.tree_util.tree_map(lambda v: v[None], aux)),
                                              weight[None], self.grad_reduction)
 
-    states = self._batched_states()
-    state_axes = {k: v.batch_axis for k, v in states.items()}
+    found = self._batched_states(plan.batch_size)  # inside a shard: the share's states
+    states, state_axes = {k: v for k, (v, _) in found.items()}, {k: a for k, (_, a) in found.items()}
     if finish:
-      buffer = {k: self._state_for_batch(k, v, plan.batch_size) for k, v in states.items()}
+      buffer = {k: self._state_for_batch(k, v, state_axes[k], plan.batch_size) for k, v in states.items()}
     else:  # a device's share, already cut to its samples by the mesh
       buffer = {k: take_samples(v.value, state_axes[k], 0, plan.batch_size) for k, v in states.items()}
     params = {k: v.value for k, v in self.target.train_vars().unique().items()}
@@ -728,6 +775,84 @@ class AccumBPTT(bp.BPTT):
     loss, aux = combine_values((losses, auxs), weights, self.grad_reduction)
     grads = finish_grads(grad_sum, total, self.grad_reduction) if with_grads else None
     return grads, total, loss, aux
+
+  def _whole_batch_states(self, batch_size: int):
+    """The batched model states as ``(Variable, axis)``, set to the whole batch's values."""
+    states = self._batched_states(batch_size)
+    for k, (var, axis) in states.items():
+      var.value = self._state_for_batch(k, var, axis, batch_size)
+    return list(states.values())
+
+  def _forward_pass(self, shared_args, inputs, targets, layout: BatchLayout, plan: MicroBatchPlan, states,
+                    checked=False):
+    """Pass 1 of :mod:`._two_pass` from the batched ``states``' whole-batch values.
+
+    Returns the pass's sums (``samples``: the whole batch's predictions), the leaf axes, the predictions'
+    batch axes and the forward function. With ``checked`` the sums also hold each micro-batch's own loss
+    and metrics.
+    """
+    args = (inputs, targets)
+    axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
+    forward = lambda micro_args, size: self._predicts(shared_args, micro_args[0])
+    small, large = traced_shapes(forward, args, axes, states, second_sizes(plan))
+    out_axes = output_axes(small, large)
+    micro_loss = (lambda outputs, micro_args: self._loss_of(outputs, micro_args[1])) if checked else None
+    weigh = lambda micro_args, size: self._micro_weight(*micro_args, size)
+    sums = forward_outputs(forward, args, axes, plan, states, whole_batch_like(small, out_axes, plan.batch_size),
+                           out_axes, micro_loss, weigh)
+    return sums, axes, out_axes, forward
+
+  def _two_passes(self, shared_args, inputs, targets, layout: BatchLayout, plan: MicroBatchPlan, with_grads: bool):
+    """``whole_batch_loss=True``: ``(grads, weight, loss, aux)`` of ``loss_fun`` on the whole batch's predictions."""
+    states = self._whole_batch_states(plan.batch_size)
+    replayed = [v for v in self.target.vars().unique().values() if not isinstance(v, bm.TrainVar)]
+    replayed += [v for v in random_states(self.target) if all(v is not r for r in replayed)]
+    before = [v.value for v in replayed]
+    sums, axes, out_axes, forward = self._forward_pass(shared_args, inputs, targets, layout, plan, states)
+    loss, aux, cotangents = loss_and_cotangents(lambda p: self._loss_of(p, targets), sums.samples)
+    total = jnp.asarray(plan.batch_size, jnp.float32)
+    if not with_grads:
+      return None, total, loss, aux
+    for var, value in zip(replayed, before):
+      var.value = value  # pass 2 starts where pass 1 started: same states, same random keys
+    params = self.target.train_vars().unique()
+    grad = lambda f: lambda *a: {k: bm.as_jax(g) for k, g in bm.grad(f, grad_vars=params)(*a).items()}
+    grad_sum = pull_back(forward, grad, (inputs, targets), axes, plan, states, cotangents, out_axes,
+                         {k: v.value for k, v in params.items()})
+    return grad_sum, total, loss, aux
+
+  def _check_loss_once(self, shared_args, inputs, targets) -> None:
+    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values."""
+    if self._loss_checked:
+      return
+    self._loss_checked = True
+    layout = self.check_batch(inputs, targets)
+    plan = plan_micro_batches(layout.batch_size, micro_batch_size=self.plan_for(layout.batch_size).micro_batch_size)
+    if plan.num_micro_batches == 1:
+      return
+    variables = list(self.vars().unique().values()) + random_states(self.target)
+    saved = [v.value for v in variables]
+    compare = functools.partial(self._whole_and_combined_loss, layout=layout, plan=plan)
+    try:
+      with self._without_time_step_bars():
+        whole, combined = (bm.jit(compare, static_argnums=(0,)) if self.jit[c.FIT_PHASE] else compare)(
+          shared_args, inputs, targets)
+    except Exception as error:  # the check must never stop training that would run without it
+      warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
+                    f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
+                    UserWarning, stacklevel=3)
+      return
+    finally:
+      for var, value in zip(variables, saved):
+        var.value = value
+    warn_coupled_loss(float(whole), float(combined), plan, self.grad_reduction)
+
+  def _whole_and_combined_loss(self, shared_args, inputs, targets, layout, plan):
+    with declared_batch_axes(self._batched_states(layout.batch_size).values()):
+      states = self._whole_batch_states(plan.batch_size)
+      sums = self._forward_pass(shared_args, inputs, targets, layout, plan, states, checked=True)[0]
+    combined = finish_values(sums.loss_sum, sums.total_weight, self.grad_reduction)
+    return self._loss_of(sums.samples, targets)[0], combined
 
   # ------------------------------------------------------------------ training loop
 

@@ -1,0 +1,172 @@
+"""Exact gradients of a loss of the whole batch's outputs, one micro-batch's activations at a time.
+
+A loss that couples the samples of a batch (a firing-rate regulariser over the batch, a batch maximum, a
+contrastive loss) is not the weighted mean of its micro-batch values, so the default accumulation trains
+another objective. Two passes inside one compiled step make it exact, in the manner of the gradient cache
+for contrastive losses (Gao et al. 2021, arXiv:2101.06983):
+
+1. :func:`forward_outputs` runs every micro-batch forward, without a backward pass, keeping only its
+   outputs (what the loss receives), written into whole-batch buffers;
+2. the loss of the whole batch's outputs and its gradient with respect to them (``jax.vjp``);
+3. :func:`pull_back` runs every micro-batch again, forward and backward, from the same initial state (the
+   caller restores states and random keys), pulling back its slice of that gradient; the sum over
+   micro-batches is the whole batch's gradient.
+
+Memory: the whole batch's outputs plus one micro-batch's activations; compute: one extra forward pass.
+Outputs that do not carry the batch (e.g. a monitored parameter) are taken from the last micro-batch and
+treated as constants by the gradient.
+"""
+
+import warnings
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import brainstate
+import jax
+import jax.numpy as jnp
+
+from ._batch import take_samples
+from ._core import MicroResult, _is_leaf as is_array, accumulate
+from ._plan import MicroBatchPlan
+
+__all__ = ['check_whole_batch_loss', 'warn_coupled_loss', 'forward_outputs', 'loss_and_cotangents', 'output_axes', 'pull_back', 'second_sizes',
+           'traced_shapes', 'whole_batch_like']
+
+
+def output_axes(small, large) -> List[Optional[int]]:
+  """The batch axis of every output leaf, from its shapes at two micro-batch sizes (``None``: no batch axis).
+
+  Raises ``ValueError`` for a leaf whose shape changes with the batch size on more than one axis.
+  """
+  axes = []
+  for path_a, b in zip(jax.tree_util.tree_flatten_with_path(small)[0], jax.tree_util.tree_leaves(large)):
+    path, a = path_a
+    moved = [i for i, (n, m) in enumerate(zip(a.shape, b.shape)) if n != m]
+    if len(moved) > 1 or len(a.shape) != len(b.shape):
+      raise ValueError(f'The model output predicts{jax.tree_util.keystr(path)} has shape {a.shape} for one '
+                       f'micro-batch and {b.shape} for another: its batch must lie on one axis for '
+                       f'whole_batch_loss=True to stitch the micro-batches together.')
+    axes.append(moved[0] if moved else None)
+  return axes
+
+
+def whole_batch_like(shapes, axes: Sequence[Optional[int]], batch_size: int):
+  """``shapes`` (one micro-batch's outputs) with ``batch_size`` samples on each leaf's batch axis."""
+  leaves, treedef = jax.tree_util.tree_flatten(shapes)
+  whole = [x if a is None else jax.ShapeDtypeStruct(x.shape[:a] + (batch_size,) + x.shape[a + 1:], x.dtype)
+           for x, a in zip(leaves, axes)]
+  return treedef.unflatten(whole)
+
+
+def traced_shapes(forward: Callable, args: tuple, axes, states: Sequence[Tuple[Any, int]], sizes):
+  """The shapes of ``forward(micro_args, n)`` for each ``n`` in ``sizes``: traced only, nothing changes.
+
+  ``states`` hold the whole batch's values; each trace starts from their first ``n`` samples.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+  values = [state.value for state, _ in states]
+
+  def at(n):
+    def run(*cut):
+      for (state, axis), value in zip(states, values):
+        state.value = take_samples(value, axis, 0, n)
+      return forward(treedef.unflatten(cut), n)
+
+    cut = [x if a is None else take_samples(x, a, 0, n) for x, a in zip(leaves, axes)]
+    traced = brainstate.transform.StatefulFunction(run, return_only_write=False)
+    traced.make_jaxpr(*cut)
+    return traced.get_out_shapes(*cut)[0]
+
+  return [at(n) for n in sizes]
+
+
+def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states, outputs_like,
+                    out_axes, micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None):
+  """Pass 1: every micro-batch forward, without gradients; returns the core's ``Sums`` whose ``samples`` are
+  the whole batch's outputs. With ``micro_loss(outputs, micro_args) -> (loss, aux)`` and ``weigh``, the
+  sums also hold each micro-batch's own loss and metrics (weighted), for the default mode's check."""
+
+  def micro_fn(micro_args, size):
+    outputs = jax.lax.stop_gradient(forward(micro_args, size))
+    if micro_loss is None:
+      return MicroResult(None, jnp.zeros((), jnp.float32), {}, jnp.asarray(size, jnp.float32), outputs)
+    loss, aux = micro_loss(outputs, micro_args)
+    return MicroResult(None, loss, aux, weigh(micro_args, size), outputs)
+
+  return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes)
+
+
+def loss_and_cotangents(loss_of: Callable, outputs) -> Tuple[Any, Any, Any]:
+  """``(loss, aux, d loss / d outputs)`` of ``loss_of(outputs) -> (loss, aux)`` on the whole batch."""
+  loss, pull, aux = jax.vjp(loss_of, outputs, has_aux=True)
+  (cotangents,) = pull(jnp.ones_like(loss))
+  return loss, aux, cotangents
+
+
+def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroBatchPlan, states, cotangents,
+              out_axes, grads_like):
+  """Pass 2: every micro-batch forward and backward, pulling back its slice of ``cotangents``.
+
+  ``grad(fn)(micro_args) -> grads`` differentiates the scalar ``fn(micro_args)`` with respect to the
+  parameters. Returns the summed gradient (accumulator precision), the whole batch's.
+  """
+  cot_leaves, cot_def = jax.tree_util.tree_flatten(cotangents)
+  kept = [c if a is not None else jnp.zeros_like(c) for c, a in zip(cot_leaves, out_axes)]
+
+  def pulled(micro_args, size):
+    *model_args, micro_cot = micro_args
+    outputs = jax.tree_util.tree_leaves(forward(tuple(model_args), size))
+    return sum(jnp.vdot(o, c.astype(o.dtype)).real for o, c in zip(outputs, jax.tree_util.tree_leaves(micro_cot)))
+
+  def micro_fn(micro_args, size):
+    grads = grad(lambda *a: pulled(a, size))(*micro_args)
+    one = jnp.ones((), jnp.float32)
+    return MicroResult(grads, jnp.zeros((), jnp.float32), {}, one)
+
+  sums = accumulate(micro_fn, tuple(args) + (cot_def.unflatten(kept),), list(axes) + list(out_axes), plan, states,
+                    grads_like)
+  return sums.grad_sum
+
+
+def second_sizes(plan: MicroBatchPlan) -> Tuple[int, int]:
+  """Two different micro-batch sizes to trace the outputs at, so that their batch axes show."""
+  size = plan.micro_batch_size
+  return size, (plan.remainder if plan.remainder else (size - 1 if size > 1 else 2))
+
+
+def check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps, mesh) -> None:
+  """Refuse ``whole_batch_loss`` where it is not a bool or cannot be exact, before anything is built."""
+  if not isinstance(whole_batch_loss, bool):
+    raise TypeError(f'whole_batch_loss={whole_batch_loss!r} must be True or False.')
+  if not whole_batch_loss:
+    return
+  if accumulate_steps != 1:
+    raise ValueError(f'whole_batch_loss=True with accumulate_steps={accumulate_steps!r} cannot be exact: the loss '
+                     f'of several batches together is not known from their separate losses when it couples '
+                     f'samples. Use one larger batch and more micro-batches (num_micro_batch), or '
+                     f'accumulate_steps=1.')
+  if grad_reduction != 'mean' or loss_weight_fn is not None:
+    raise ValueError(f'whole_batch_loss=True evaluates loss_fun once on the whole batch, so it needs no '
+                     f'weighting: drop grad_reduction={grad_reduction!r} and loss_weight_fn={loss_weight_fn!r} '
+                     f'(keep the defaults).')
+  if mesh is not None:
+    raise ValueError('whole_batch_loss=True does not run on a mesh yet: train on one device (mesh=None), or '
+                     'use the default mode if the loss is a mean over samples.')
+
+
+def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str,
+                      rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+  """Warn if the loss of the whole batch differs from the combination of its micro-batch losses.
+
+  Both come from the same predictions, so a loss that is a weighted mean (``'sum'``: a sum) of per-sample
+  terms agrees to float32 round-off; one that couples the samples does not. Returns whether it warned.
+  """
+  if abs(whole - combined) <= atol + rtol * abs(whole):
+    return False
+  how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
+  warnings.warn(f'loss_fun couples the samples of a batch: on the first batch its value on the whole batch is '
+                f'{whole:.7g}, but the {how} of its values on the {plan.describe_cuts()} micro-batches is '
+                f'{combined:.7g} (difference {whole - combined:.3g}). Accumulating micro-batch gradients would '
+                f'train that other objective (e.g. a batch-wide firing-rate regulariser shrinks with the '
+                f'micro-batch). Pass whole_batch_loss=True to train the whole-batch loss exactly (about one '
+                f'extra forward pass), or make the loss a mean over samples.', UserWarning, stacklevel=2)
+  return True

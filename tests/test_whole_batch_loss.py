@@ -1,0 +1,183 @@
+"""``whole_batch_loss=True`` (two passes) against ``bp.BPTT`` on the whole batch, and the default mode's check.
+
+The losses couple the samples of a batch, so the default accumulation would train another objective; the
+two-pass mode must give ``bp.BPTT``'s parameters, losses and metrics after several Adam steps (rtol 1e-5,
+atol 1e-6), on uneven splits, for a rate and a spiking network.
+"""
+
+import warnings
+
+import brainpy as bp
+import brainpy.math as bm
+import numpy as np
+import pytest
+
+from brainpy_accum import AccumBPTT
+from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
+
+
+def rate_regulariser(predicts, targets):
+  """Cross-entropy-like term plus ``sum over units of (mean over batch and time - f0)^2``."""
+  out, mons = predicts
+  rate = bm.mean(mons['spike'], axis=(0, 1))
+  return bp.losses.mean_squared_error(out, targets) + 2. * bm.sum((rate - 0.1) ** 2), {'rate': bm.mean(rate)}
+
+
+def sum_and_square_regulariser(predicts, targets):
+  """The SurrogateGrad-LIF example's form: ``1e-2 * sum(spikes) + 1e-2 * mean((sum over batch, time)^2)``."""
+  out, mons = predicts
+  spikes = mons['spike']
+  return (bp.losses.mean_squared_error(out, targets) + 1e-2 * bm.sum(spikes)
+          + 1e-2 * bm.mean(bm.sum(spikes, axis=(0, 1)) ** 2)), {}
+
+
+def batch_max(predicts, targets):
+  """A loss normalised by the batch's largest error."""
+  err = bm.mean((predicts - targets) ** 2, axis=(1, 2))
+  return bm.mean(err) + bm.max(err), {'max_err': bm.max(err)}
+
+
+def contrastive(predicts, targets):
+  """InfoNCE over the batch: each sample's mean output against every sample's mean target."""
+  z, t = bm.mean(predicts, axis=1), bm.mean(targets, axis=1)
+  z = z / (bm.linalg.norm(z, axis=1, keepdims=True) + 1e-6)
+  t = t / (bm.linalg.norm(t, axis=1, keepdims=True) + 1e-6)
+  logits = 5. * z @ t.T
+  return bp.losses.cross_entropy_loss(logits, bm.arange(z.shape[0])), {}
+
+
+CASES = {  # name: (model, loss, monitors, batch sizes)
+  'rate_regulariser_snn': ('snn', rate_regulariser, True, (10, 7, 10)),
+  'sum_square_snn': ('snn', sum_and_square_regulariser, True, (11, 9)),
+  'batch_max_rnn': ('rnn', batch_max, False, (10, 7, 10)),
+  'contrastive_rnn': ('rnn', contrastive, False, (9, 12)),
+  'batch_max_snn': ('snn', batch_max, False, (10, 8)),
+}
+
+
+def _trainer(cls, case, **kwargs):
+  model_name, loss, monitored, _ = CASES[case]
+  model = make_model(model_name)
+  monitors = {'spike': model.lif.spike} if monitored else None
+  return cls(model, loss, optimizer=bp.optim.Adam(lr=2e-2), loss_has_aux=True, monitors=monitors,
+             progress_bar=False, **kwargs)
+
+
+def _fit(trainer, case, num_epoch=2, drive=1.):
+  batches = [(x * drive, y) for x, y in make_batches(CASES[case][3])]
+  trainer.fit(batches, test_data=batches[:1], num_epoch=num_epoch)
+  return trainer
+
+
+def _assert_same_run(actual, expected):
+  assert_trees_close(params_of(actual.target), params_of(expected.target))
+  assert_trees_close(optimizer_state(actual), optimizer_state(expected))
+  np.testing.assert_allclose(actual.train_losses, expected.train_losses, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(actual.test_losses, expected.test_losses, rtol=1e-5, atol=1e-6)
+  for key in expected._detailed_train_metrics:
+    np.testing.assert_allclose(actual.get_hist_metric('fit', key), expected.get_hist_metric('fit', key),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_two_passes_equal_bptt_on_the_whole_batch(case):
+  expected = _fit(_trainer(bp.BPTT, case), case)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UserWarning)  # no coupled-loss warning in this mode
+    actual = _fit(_trainer(AccumBPTT, case, num_micro_batch=3, whole_batch_loss=True), case)
+  _assert_same_run(actual, expected)
+
+
+@pytest.mark.parametrize('options', [dict(remat=2), dict(clip_grad_norm=0.05, skip_nonfinite=True),
+                                     dict(micro_batch_size=1)], ids=['remat', 'clip_skip', 'one_sample_each'])
+def test_two_passes_compose_with_remat_clipping_skipping(options):
+  case = 'rate_regulariser_snn'
+  clip = {k: v for k, v in options.items() if k == 'clip_grad_norm'}
+  expected = _fit(_trainer(AccumBPTT, case, **clip), case)  # N=1: bp.BPTT's step with the same clipping
+  options = {'num_micro_batch': 4, **options} if 'micro_batch_size' not in options else options
+  actual = _fit(_trainer(AccumBPTT, case, whole_batch_loss=True, **options), case)
+  _assert_same_run(actual, expected)
+
+
+def test_two_passes_under_the_memory_planner_count_the_stored_predictions():
+  case = 'batch_max_rnn'
+  expected = _fit(_trainer(bp.BPTT, case), case)
+  actual = _trainer(AccumBPTT, case, num_micro_batch='auto', memory_budget='9.5KiB', whole_batch_loss=True)
+  _fit(actual, case)
+  _assert_same_run(actual, expected)
+  assert any(plan.num_micro_batches > 1 for plan, _ in actual.memory_plans.values())
+  assert all(used <= 9.5 * 1024 for _, used in actual.memory_plans.values())
+
+
+def test_both_passes_see_the_same_random_numbers():
+  """With dropout and a per-sample loss, the two-pass gradient is the default mode's (same draws, same order)."""
+
+  def make():
+    bm.random.seed(3)
+    with bm.training_environment():
+      return bp.Sequential(bp.dyn.RNNCell(3, 8), bp.dnn.Dropout(0.5), bp.dnn.Dense(8, 2))
+
+  batches = make_batches((10, 7))
+  runs = []
+  for whole in (False, True):
+    bm.random.seed(11)
+    trainer = AccumBPTT(make(), 'mean_squared_error', optimizer=bp.optim.Adam(lr=1e-2), num_micro_batch=3,
+                        whole_batch_loss=whole, progress_bar=False)
+    trainer.fit(batches, num_epoch=2)
+    runs.append(trainer)
+  assert_trees_close(params_of(runs[1].target), params_of(runs[0].target))
+  np.testing.assert_allclose(runs[1].train_losses, runs[0].train_losses, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('case', ['rate_regulariser_snn', 'batch_max_rnn', 'contrastive_rnn'])
+def test_default_mode_warns_once_with_the_measured_difference(case):
+  # The check compares values on the first batch: the spiking network needs input strong enough to spike
+  # there (with no spike at all, a rate regulariser is the same constant on every micro-batch).
+  with pytest.warns(UserWarning, match=r'whole_batch_loss=True') as record:
+    _fit(_trainer(AccumBPTT, case, num_micro_batch=3), case, num_epoch=2, drive=4.)
+  coupled = [w for w in record if 'couples the samples' in str(w.message)]
+  assert len(coupled) == 1
+  assert 'difference' in str(coupled[0].message)
+
+
+@pytest.mark.parametrize('loss', ['mean_squared_error', 'cross_entropy'])
+def test_default_mode_is_silent_on_a_mean_over_samples(loss):
+  def cross_entropy(predicts, targets):
+    return bp.losses.cross_entropy_loss(predicts.sum(axis=1), targets)
+
+  sizes = (10, 7)
+  batches = make_batches(sizes)
+  if loss == 'cross_entropy':
+    batches = [(x, np.arange(len(x)) % 2) for x, _ in batches]
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter('always')
+    trainer = AccumBPTT(make_model('snn'), loss if loss != 'cross_entropy' else cross_entropy,
+                        num_micro_batch=3, progress_bar=False)
+    trainer.fit(batches, num_epoch=1)
+  assert not [w for w in record if 'couples' in str(w.message) or 'Could not check' in str(w.message)]
+
+
+def test_the_check_changes_nothing():
+  """The first batch's check runs a forward pass; the run equals one whose check is skipped."""
+  case = 'batch_max_rnn'
+  runs = []
+  for checked in (True, False):
+    trainer = _trainer(AccumBPTT, case, num_micro_batch=3)
+    trainer._loss_checked = not checked
+    with warnings.catch_warnings():
+      warnings.simplefilter('ignore', UserWarning)
+      runs.append(_fit(trainer, case))
+  _assert_same_run(runs[0], runs[1])
+
+
+@pytest.mark.parametrize('options, match', [
+  (dict(accumulate_steps=2), 'accumulate_steps'),
+  (dict(grad_reduction='sum'), 'grad_reduction'),
+  (dict(loss_weight_fn=lambda x, y: 1.), 'loss_weight_fn'),
+  (dict(whole_batch_loss='yes'), 'whole_batch_loss'),
+])
+def test_whole_batch_loss_refuses_what_cannot_be_exact(options, match):
+  options = {'whole_batch_loss': True, **options}
+  error = TypeError if options['whole_batch_loss'] == 'yes' else ValueError
+  with pytest.raises(error, match=match):
+    AccumBPTT(make_model('rnn'), 'mean_squared_error', num_micro_batch=2, **options)
