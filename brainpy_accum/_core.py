@@ -11,9 +11,11 @@ import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
 from ._accumulate import GRAD_REDUCTIONS, add_scaled, finish_grads, finish_values, sum_values, wide_zeros_like
 from ._batch import put_samples, take_samples
+from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
 from ._plan import MicroBatchPlan, check_positive_int, plan_micro_batches
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
 
@@ -198,10 +200,59 @@ def _micro_fn(loss_and_new, grad_states, weigh, keep):
   return micro_fn
 
 
+def _recording(loss_and_new, touched: list):
+  """``loss_and_new`` that also lists in ``touched`` the States it reads or writes while it is traced."""
+
+  def recorded(*args):
+    with brainstate.StateTraceStack() as trace:  # the enclosing traces still see every access: stacks nest
+      out = loss_and_new(*args)
+    touched.extend(trace.states)
+    return out
+
+  return recorded
+
+
+def _check_mesh_option(mesh, mesh_axis) -> Optional[str]:
+  if mesh is not None and not isinstance(mesh, Mesh):
+    raise TypeError(f'mesh={mesh!r:.60} must be a jax.sharding.Mesh (or None), e.g. '
+                    f"mesh=jax.sharding.Mesh(jax.devices(), ('batch',)); got a {type(mesh).__name__}.")
+  if mesh_axis is not None and not isinstance(mesh_axis, str):
+    raise TypeError(f'{mesh_axis=} must be the name (a str) of an axis of the mesh.')
+  return check_mesh(mesh, mesh_axis)
+
+
+def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchPlan, batched, tree, samples_like,
+             randoms) -> Sums:
+  """:func:`accumulate` on each device's share of the batch (``plan``: one share's micro-batches), then the
+  devices' sums added by one all-reduce. Batched states are split like the arguments; others are replicated."""
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_leaf)
+  # Arrays enter the shards (split or replicated); Python numbers passed whole reach the loss as they are.
+  static = [a is None and not hasattr(x, 'shape') for x, a in zip(leaves, axes)]
+  specs = {state: batch_spec(axis, mesh_axis) for state, axis in batched}
+  share_like = [jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((plan.batch_size,) + tuple(x.shape[1:]),
+                                                                      x.dtype), like) for like in samples_like]
+
+  def local(*mapped):
+    mapped = iter(mapped)
+    local_args = treedef.unflatten([x if s else next(mapped) for x, s in zip(leaves, static)])
+    params = jax.tree_util.tree_map(lambda s: s.value, tree, is_leaf=is_state)
+    with per_device_random(randoms, mesh_axis):
+      sums = accumulate(micro_fn, local_args, axes, plan, batched, params, share_like)
+    return sum_across_devices(tuple(sums[:4]), mesh_axis), sums.samples  # the one all-reduce of the call
+
+  run = brainstate.transform.shard_map(
+    local, mesh, in_specs=tuple(PartitionSpec() if a is None else batch_spec(a, mesh_axis)
+                                for a, s in zip(axes, static) if not s),
+    out_specs=(PartitionSpec(), [batch_spec(0, mesh_axis)] * len(share_like)),
+    state_in_specs=specs, state_out_specs=specs, check_vma=False)
+  (grad_sum, total, loss_sum, aux_sum), samples = run(*[bm.as_jax(x) for x, s in zip(leaves, static) if not s])
+  return Sums(grad_sum, total, loss_sum, aux_sum, samples)
+
+
 def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: Optional[int] = None,
                        micro_batch_size: Optional[int] = None, grad_reduction: str = 'mean', has_aux: bool = False,
                        return_value: bool = False, batch_axis: Any = 0, loss_weight_fn: Optional[Callable] = None,
-                       states: Any = None) -> Callable:
+                       states: Any = None, mesh: Optional[Mesh] = None, mesh_axis: Optional[str] = None) -> Callable:
   """``brainstate.transform.grad(loss_fn, grad_states)`` of a whole batch, computed over micro-batches.
 
   Pseudo-code (one compiled ``scan``; float32 sums)::
@@ -211,6 +262,10 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
       g, loss, aux = grad(loss_fn, grad_states)(*micro_args)
       grad_sum += w * g;  loss_sum += w * loss;  aux_sum += w * aux;  total += w
     return grad_sum / total, loss_sum / total, aux_sum / total   # 'sum': no division
+
+  With ``mesh`` each of the D devices of ``mesh_axis`` runs this loop on its contiguous share of B / D samples
+  (the micro-batch options describe one share) and the devices add their ``grad_sum, total, loss_sum, aux_sum``
+  in one all-reduce before the division: one all-reduce per call, outside every loop.
 
   Parameters
   ----------
@@ -237,6 +292,19 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
     The states cut with the batch (a bare State: its ``batch_axis``, else 0). By default, found by tracing
     ``loss_fn`` once: brainpy Variables with a ``batch_axis``, and brainstate ShortTermStates (HiddenStates
     among them) that hold the batch on axis 0 after the loss. Others (random keys, ...) carry over.
+  mesh : jax.sharding.Mesh, optional
+    Data parallelism over the devices of ``mesh_axis`` (D of them): every argument leaf with a batch axis, and
+    every batched state, is split along its batch axis into D equal shares (the batch size must be a multiple
+    of D; a ``ValueError`` says so before anything changes); ``grad_states`` and the other states are
+    replicated. Each device runs the micro-batches of its share (``num_micro_batch=N``: N per device), then
+    one all-reduce adds the devices' sums; the result equals the whole batch's, replicated. Random keys the
+    loss draws from are folded with the device index, so devices draw different numbers, and end as one key
+    shared by all. Other states the loss writes (counters, ...) are carried over each device's own
+    micro-batches and must end equal on every device. States the loss creates with the micro-batch on axis 0
+    are stitched from the devices' shares, as without a mesh. ``None`` (default): one device, no all-reduce.
+  mesh_axis : str, optional
+    The mesh axis that splits the batch; needed only when ``mesh`` has several axes (the others see the
+    batch replicated).
 
   Returns
   -------
@@ -246,6 +314,14 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
     (``init_all_states(model, size)``); random keys advance per micro-batch. A loss that writes states
     needs ``brainstate.transform.jit`` or ``bm.jit`` (raw ``jax.jit`` refuses State writes, as for
     ``brainstate.transform.grad``).
+
+  Raises
+  ------
+  TypeError
+    When the transform is made, for an option of the wrong type (``mesh`` not a ``jax.sharding.Mesh``, ...).
+  ValueError
+    When the transform is made, for inconsistent options (``mesh_axis`` not an axis of ``mesh``, ...); when
+    it is called, for arguments that do not fit them (a batch that ``mesh`` cannot split evenly, ...).
 
   Examples
   --------
@@ -259,9 +335,19 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   >>> whole = brainstate.transform.grad(loss_fn, {'w': w})(x, y)
   >>> bool(jnp.allclose(grads['w'], whole['w'], rtol=1e-5)), bool(jnp.allclose(loss, loss_fn(x, y)))
   (True, True)
+
+  The same over the devices of a mesh (one here; with D devices the batch must be a multiple of D):
+
+  >>> import jax, numpy as np
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('batch',))
+  >>> sharded = micro_batched_grad(loss_fn, {'w': w}, num_micro_batch=2, mesh=mesh)(x, y)
+  >>> bool(jnp.allclose(sharded['w'], whole['w'], rtol=1e-5))
+  True
   """
   _check_options(loss_fn, grad_states, num_micro_batch, micro_batch_size, grad_reduction,
                  {'has_aux': has_aux, 'return_value': return_value}, loss_weight_fn)
+  mesh_axis = _check_mesh_option(mesh, mesh_axis)
+  mesh = None if mesh is None else auto_axes(mesh)
   named = named_states(states)
   grad_ids = {id(s) for s in jax.tree_util.tree_leaves(grad_states, is_leaf=is_state)}
   tree = dict(grad_states) if isinstance(grad_states, dict) else grad_states  # as brainstate shapes the grads
@@ -276,11 +362,25 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
 
   def grad_fn(*args):
     axes, batch = _leaf_axes(args, batch_axis)
-    plan = plan_micro_batches(batch, num_micro_batch=num_micro_batch, micro_batch_size=micro_batch_size)
+    share = batch if mesh is None else check_divisible(batch, mesh_size(mesh, mesh_axis), mesh_axis)
+    plan = plan_micro_batches(share, num_micro_batch=num_micro_batch, micro_batch_size=micro_batch_size)
     log = []
     loss_and_new = loss_catching_new_states(loss_fn, has_aux, log)
     params = jax.tree_util.tree_map(lambda s: s.value, tree, is_leaf=is_state)
-    if plan.num_micro_batches == 1:  # brainstate's own result, bit for bit
+    if mesh is not None:
+      touched = []
+      batched, keep, samples_like = prepare_states(named, _recording(loss_and_new, touched), args, batch, grad_ids,
+                                                   weigh)
+      cut = {id(s) for s, _ in batched}
+      randoms = list({id(s): s for s in touched
+                      if isinstance(s, brainstate.random.RandomState) and id(s) not in cut}.values())
+      with declared_batch_axes(batched):
+        sums = _on_mesh(mesh, mesh_axis, _micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan,
+                        batched, tree, samples_like, randoms)
+      grads = finish_grads(sums.grad_sum, sums.total_weight, grad_reduction, params)
+      loss, aux = finish_values((sums.loss_sum, sums.aux_sum), sums.total_weight, grad_reduction)
+      samples, created = sums.samples, [log[-1][i] for i in keep]
+    elif plan.num_micro_batches == 1:  # brainstate's own result, bit for bit
       grads, loss, aux, _, samples = _micro_fn(loss_and_new, grad_states, weigh, None)(args, batch)
       created = log[-1]
     else:
