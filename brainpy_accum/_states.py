@@ -60,16 +60,19 @@ def implicit_batch_axis(name: str, var, batch: int) -> Optional[int]:
 
   BrainPy's ``bp.BPTT`` never cuts a batch, so it trains such a state whatever its axes; cutting it into
   micro-batches needs to know which axis holds the samples. The rule: a non-trainable, non-random Variable
-  with no ``batch_axis`` whose leading axis equals the batch size (after ``reset``), for a batch of more
-  than one sample, holds the batch on axis 0. It warns once per Variable, naming it and the fix
-  (``batch_axis=0`` in its declaration). Ambiguous case: a state that is not per-sample but whose leading
-  axis happens to equal the batch size (say 64 neurons at batch 64) would be cut too; use another batch
-  size, or declare it with ``batch_axis`` where it is per-sample.
+  with no ``batch_axis``, of two or more dimensions, whose leading axis equals the batch size (after
+  ``reset``) and which is not square in the batch size (``(B, B)``, ``(B, B, B)``), for a batch of more than
+  one sample, holds the batch on axis 0 (``bm.Variable(bm.zeros((batch_size, n)))``). It warns once per
+  Variable, naming it and the fix (``batch_axis=0`` in its declaration). One-dimensional states are never
+  cut (a per-neuron statistic such as BatchNorm's running mean of 8 features at batch 8 is not per-sample);
+  a ``(batch_size,)`` per-sample state needs ``batch_axis=0``. Ambiguous case: a non-per-sample state of
+  two or more dimensions whose leading axis happens to equal the batch size (a ``(64, 10)`` table at batch
+  64) would be cut too: use another batch size, or keep such tables as ``TrainVar`` or constants.
   """
   if isinstance(var, (bm.TrainVar, brainstate.random.RandomState)) or getattr(var, 'batch_axis', None) is not None:
     return None
   shape = np.shape(var.value)
-  if batch <= 1 or not shape or shape[0] != batch:
+  if batch <= 1 or len(shape) < 2 or shape[0] != batch or all(n == batch for n in shape):
     return None
   if id(var) not in _warned_implicit:
     _warned_implicit.add(id(var))
