@@ -69,6 +69,7 @@ class GradWindow:
 
   def __init__(self, params: Dict[str, bm.Variable], copies: Optional[int] = None):
     zeros = wide_zeros_like({k: v.value for k, v in params.items()})
+    self.copies = copies
     if copies is not None:
       zeros = {k: jnp.zeros((copies,) + z.shape, z.dtype) for k, z in zeros.items()}
     self.grads = bm.VarDict({k: bm.Variable(z) for k, z in zeros.items()})
@@ -90,9 +91,10 @@ class GradWindow:
     self.weight.value = self.weight.value + weight
 
   def take_sums(self):
-    """Return this device's ``(grad_sums, weight)`` (its row of each sum) and empty the window."""
-    sums = {k: v.value.sum(0) for k, v in self.grads.items()}
-    weight = self.weight.value.sum()
+    """Return this device's ``(grad_sums, weight)`` (its row of each sum, on a mesh) and empty the window."""
+    row = (lambda x: x) if self.copies is None else (lambda x: x.sum(0))
+    sums = {k: row(v.value) for k, v in self.grads.items()}
+    weight = row(self.weight.value)
     self._empty()
     return sums, weight
 
