@@ -12,7 +12,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
 import brainpy.math as bm
 import jax.numpy as jnp
 
-from ._accumulate import add_scaled, wide_zeros_like
+from ._accumulate import wide_zeros_like
 from ._plan import check_positive_int
 
 __all__ = ['GradWindow', 'check_accumulate_steps', 'steps_for_epoch', 'with_last_flag']
@@ -75,14 +75,6 @@ class GradWindow:
     self.grads = bm.VarDict({k: bm.Variable(z) for k, z in zeros.items()})
     self.weight = bm.Variable(jnp.zeros(() if copies is None else (copies,), jnp.float32))
 
-  def add(self, grads: Dict, weight, keep: Optional[object] = None) -> None:
-    """Add one batch's gradients (a mean over it) with its weight; ``keep=False`` drops them."""
-    grads, weight = _kept(grads, weight, keep)
-    sums = add_scaled({k: v.value for k, v in self.grads.items()}, weight, grads)
-    for k, var in self.grads.items():
-      var.value = sums[k]
-    self.weight.value += weight
-
   def add_sums(self, grad_sums: Dict, weight, keep: Optional[object] = None) -> None:
     """Add already weighted gradient sums (one device's, inside a shard) and their weight."""
     grad_sums, weight = _kept(grad_sums, weight, keep)
@@ -97,14 +89,6 @@ class GradWindow:
     weight = row(self.weight.value)
     self._empty()
     return sums, weight
-
-  def close(self, reduction: str):
-    """Return ``(grads, weight)`` for the window and empty it. Mean grads for ``'mean'``, sums for ``'sum'``."""
-    weight = self.weight.value
-    divide = jnp.where(weight > 0, weight, 1.) if reduction == 'mean' else 1.
-    grads = {k: v.value / divide for k, v in self.grads.items()}
-    self._empty()
-    return grads, weight
 
   def _empty(self) -> None:
     for var in self.grads.values():
