@@ -46,16 +46,20 @@ def same(tree):
   return tree
 
 
-def micro_step(loss_and_aux: Callable, params: Optional[dict], weigh: Callable) -> Callable:
-  """The core's ``micro_fn`` for ``loss_and_aux(inputs, targets) -> (loss, aux)``: its gradient with respect
-  to the Variables ``params`` (``None``: no gradient) and the weight ``weigh(micro_args, size)``."""
+def micro_step(loss_and_aux: Callable, shared_args, params: Optional[dict], weigh: Callable) -> Callable:
+  """The core's ``micro_fn`` for ``loss_and_aux(shared_args, inputs, targets) -> (loss, aux)``: its gradient
+  with respect to the Variables ``params`` (``None``: no gradient) and the weight ``weigh(micro_args, size)``.
+
+  ``shared_args`` enter the gradient as an argument, as in ``bp.BPTT``'s ``f_grad``: brainpy traces them
+  there, so a model that reads them (``share.load('fit')``) sees what it sees under ``bp.BPTT``.
+  """
 
   def micro_fn(micro_args, size: int) -> MicroResult:
     weight = weigh(micro_args, size)
     if params is None:
-      return MicroResult(None, *loss_and_aux(*micro_args), weight)
+      return MicroResult(None, *loss_and_aux(shared_args, *micro_args), weight)
     grad_fn = bm.grad(loss_and_aux, grad_vars=params, return_value=True, has_aux=True)
-    grads, loss, aux = grad_fn(*micro_args)
+    grads, loss, aux = grad_fn(shared_args, *micro_args)
     return MicroResult({k: bm.as_jax(g) for k, g in grads.items()}, loss, aux, weight)
 
   return micro_fn

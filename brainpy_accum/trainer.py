@@ -321,7 +321,7 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     window = self._window if with_grads else None
     alone = self.mesh is None and window is None
     params = self.target.train_vars().unique() if with_grads else None
-    micro_fn = micro_step(functools.partial(self._loss_and_aux, shared_args), params, self._weigh)
+    micro_fn = micro_step(self._loss_and_aux, shared_args, params, self._weigh)
     two_passes = self._two_passes(shared_args, targets, params) if self.whole_batch_loss else None
     axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
     with whole_batch_variables(self.target, layout.batch_size, whole=not (alone and plan.num_micro_batches == 1)) as states:
