@@ -18,7 +18,7 @@ import brainpy.math as bm
 import jax
 import numpy as np
 
-__all__ = ['FORMAT', 'checkpoint_groups', 'save', 'load']
+__all__ = ['FORMAT', 'Checkpoints', 'checkpoint_groups', 'save', 'load']
 
 FORMAT = 'brainpy_accum.checkpoint.v1'
 
@@ -117,3 +117,41 @@ def load(trainer, path: str) -> None:
   for group, variables in groups.items():
     for i, var in enumerate(variables.values()):
       var.value = _from_host(tree['values'][group][_key(i)], var.value)
+
+
+class Checkpoints:
+  """:meth:`save_checkpoint` and :meth:`load_checkpoint` of :class:`~brainpy_accum.AccumBPTT` (a mixin)."""
+
+  def save_checkpoint(self, path: str) -> str:
+    """Save parameters, model state, optimizer state (learning-rate step included), accumulation counters and
+    BrainPy's global random state to ``path``, atomically (temporary file, then rename).
+
+    :meth:`save_state` / :meth:`load_state` and ``state_dict`` keep their BrainPy meanings.
+
+    Examples
+    --------
+    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> path = trainer.save_checkpoint(os.path.join(tempfile.mkdtemp(), 'run.ckpt'))
+    >>> trainer.load_checkpoint(path)
+    """
+    return save(self, path)
+
+  def load_checkpoint(self, path: str) -> None:
+    """Restore what :meth:`save_checkpoint` wrote; a corrupt or mismatched file raises and changes nothing.
+
+    Examples
+    --------
+    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> trainer.load_checkpoint(os.path.join(tempfile.mkdtemp(), 'missing.ckpt'))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    FileNotFoundError: No checkpoint at path=...
+    """
+    load(self, path)

@@ -7,11 +7,11 @@ one of its steps is called.
 """
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Dict, Iterator
 
 import jax.monitoring
 
-__all__ = ['count_compilations']
+__all__ = ['Compilations', 'count_compilations']
 
 _BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'
 _seen = [0]
@@ -30,3 +30,35 @@ def count_compilations() -> Iterator[Callable[[], int]]:
   """``with count_compilations() as counted: ...``; ``counted()`` is the number of XLA compilations so far inside."""
   start = _seen[0]
   yield lambda: _seen[0] - start
+
+
+class Compilations:
+  """:attr:`compilations` of :class:`~brainpy_accum.AccumBPTT` (a mixin; ``_compilations`` is set by the trainer)."""
+
+  @property
+  def compilations(self) -> Dict[str, int]:
+    """XLA compilations so far of the train (``'fit'``) and evaluation (``'loss'``) steps run by :meth:`fit`.
+
+    Counted from JAX's backend-compilation events while a step is called, so it
+    is exact with or without a mesh: one per distinct batch shape (and, with
+    ``accumulate_steps``, one more for the step that only collects).
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(3, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2, progress_bar=False)
+    >>> trainer.fit([(np.ones((4, 5, 3), 'float32'), np.ones((4, 5, 2), 'float32'))] * 3, num_epoch=2)
+    ... # doctest: +ELLIPSIS
+    Train 0 epoch, ...
+    Train 1 epoch, ...
+    >>> trainer.compilations
+    {'fit': 1, 'loss': 0}
+    """
+    return dict(self._compilations)
+
+  def _note_compilations(self, phase: str, count: int) -> None:
+    """Add ``count`` XLA compilations to :attr:`compilations` (``phase`` is ``'fit'`` or ``'loss'``)."""
+    self._compilations[phase] += count

@@ -8,13 +8,16 @@ make one update and, with ``skip_nonfinite``, how many were skipped.
 
 from typing import Any, Callable, NamedTuple, Optional, Sized, Tuple, cast
 
+import brainstate.environ
+from brainpy import tools
 from tqdm import tqdm
 
+from ._checks import check_data, check_fit_args
 from ._compiles import count_compilations
 from ._report import PhaseLog
 from ._window import steps_for_epoch, with_last_flag
 
-__all__ = ['LoopOptions', 'run_epoch']
+__all__ = ['LoopOptions', 'fit', 'run_epoch']
 
 
 class LoopOptions(NamedTuple):
@@ -26,6 +29,28 @@ class LoopOptions(NamedTuple):
   show_bars: bool
 
 
+def fit(trainer, train_data, test_data, num_epoch: int, num_report: int, reset_state: bool, shared_args,
+        fun_after_report: Optional[Callable], batch_size) -> None:
+  """:meth:`AccumBPTT.fit`: check the arguments, run the epochs, keep the metrics as ``bp.BPTT`` keeps them."""
+  check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size)
+  check_data('train_data', train_data)
+  if test_data is not None:
+    check_data('test_data', test_data)
+  shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+  options = LoopOptions(num_report, reset_state, shared_args, fun_after_report, show_bars=trainer.progress_bar)
+  logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
+  try:
+    with trainer._without_time_step_bars(), brainstate.environ.context(fit=True):
+      for epoch in range(num_epoch):
+        run_epoch(trainer, 'fit', train_data, logs['fit'], epoch, options)
+        trainer.optimizer.lr.step_epoch()
+        if test_data is not None:
+          run_epoch(trainer, 'test', test_data, logs['test'], epoch, options)
+  finally:
+    trainer._report_train_metrics, trainer._detailed_train_metrics = logs['fit'].arrays()
+    trainer._report_test_metrics, trainer._detailed_test_metrics = logs['test'].arrays()
+
+
 def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: LoopOptions) -> None:
   """Run one pass of ``phase`` (``'fit'`` or ``'test'``) over ``data``."""
   batches = data() if callable(data) else data
@@ -34,11 +59,11 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
   log.start_epoch()
   try:
     for position, ((inputs, targets), last) in enumerate(with_last_flag(batches)):
-      layout = trainer.check_batch(inputs, targets)  # before anything changes
+      layout = trainer._check_batch(inputs, targets)  # before anything changes
       if options.reset_state:
         trainer.target.reset(layout.batch_size)
         trainer.reset_state()
-      trainer.place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
+      trainer._place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
       if trainer.num_micro_batch == 'auto':
         trainer.plan_memory(inputs, targets, options.shared_args)
       if phase == 'fit':
@@ -48,7 +73,7 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
         result = step(options.shared_args, inputs, targets)
       step_phase = 'fit' if phase == 'fit' else 'loss'
       if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
-        trainer.note_compilations(step_phase, compiled())
+        trainer._note_compilations(step_phase, compiled())
       loss, aux = _split_result(trainer, phase, result)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
       if bar is not None:
@@ -65,7 +90,7 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
 def _step_for(trainer, phase: str, update: bool):
   if phase != 'fit':
     return trainer.f_loss
-  return trainer.f_train if update else trainer.f_collect
+  return trainer.f_train if update else trainer._f_collect
 
 
 def _describe(trainer, batch_size: int, window: int) -> str:

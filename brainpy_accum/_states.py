@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ['declared_batch_axes', 'implicit_batch_axis', 'variable_batch_axis', 'batch_axis_of', 'batch_shapes', 'discover_states', 'is_state', 'loss_catching_new_states', 'named_states',
+__all__ = ['batched_variables', 'declared_batch_axes', 'whole_batch_variables', 'implicit_batch_axis', 'variable_batch_axis', 'batch_axis_of', 'batch_shapes', 'discover_states', 'is_state', 'loss_catching_new_states', 'named_states',
            'prepare_states', 'whole_batch']
 
 
@@ -192,3 +192,26 @@ def prepare_states(named, loss_and_new, args, batch: int, skip: set, weigh):
   for (state, _, _), value in zip(named, values):
     state.value = value
   return [(s, a) for s, a, _ in named], keep, samples_like
+
+
+def batched_variables(model, batch_size: Optional[int]) -> dict:
+  """``{name: (Variable, batch axis)}`` of ``model``'s brainpy Variables that micro-batches cut."""
+  found = {k: (v, variable_batch_axis(k, v, batch_size or 0)) for k, v in model.vars().unique().items()}
+  return {k: (v, axis) for k, (v, axis) in found.items() if axis is not None}
+
+
+@contextlib.contextmanager
+def whole_batch_variables(model, batch_size: int, whole: bool = True):
+  """``model``'s batched Variables as ``(Variable, axis)`` pairs, their axes declared while inside
+  (:func:`declared_batch_axes`); with ``whole`` first set to the whole batch's values (a single sample is
+  repeated, as the whole-batch run broadcasts it; another size raises)."""
+  states = batched_variables(model, batch_size)
+  with declared_batch_axes(states.values()):
+    for name, (var, axis) in states.items() if whole else ():
+      value = bm.as_jax(var.value)
+      if value.shape[axis] not in (1, batch_size):
+        raise ValueError(f'Model state {name} holds {value.shape[axis]} samples along its batch axis {axis}, but '
+                         f'the batch has {batch_size}. Call model.reset({batch_size}) first, or fit with '
+                         f'reset_state=True.')
+      var.value = value if value.shape[axis] == batch_size else jnp.repeat(value, batch_size, axis=axis)
+    yield list(states.values())

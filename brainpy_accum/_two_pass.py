@@ -20,16 +20,17 @@ treated as constants by the gradient.
 import warnings
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import brainpy.math as bm
 import brainstate
 import jax
 import jax.numpy as jnp
 
 from ._batch import take_samples
-from ._core import MicroResult, _is_leaf as is_array, accumulate
+from ._core import MicroResult, Sums, _is_leaf as is_array, accumulate
 from ._plan import MicroBatchPlan
 
-__all__ = ['check_whole_batch_loss', 'warn_coupled_loss', 'forward_outputs', 'loss_and_cotangents', 'output_axes', 'pull_back', 'second_sizes',
-           'traced_shapes', 'whole_batch_like']
+__all__ = ['check_whole_batch_loss', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes',
+           'pull_back', 'second_sizes', 'traced_shapes', 'two_pass_sums', 'warn_coupled_loss', 'whole_batch_like']
 
 
 def output_axes(small, large) -> List[Optional[int]]:
@@ -125,6 +126,39 @@ def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroB
   sums = accumulate(micro_fn, tuple(args) + (cot_def.unflatten(kept),), list(axes) + list(out_axes), plan, states,
                     grads_like)
   return sums.grad_sum
+
+
+def forward_pass(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states,
+                 micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None):
+  """Pass 1 from the ``states``' whole-batch values, the outputs' batch axes traced first.
+
+  Returns :func:`forward_outputs`' sums (``samples``: the whole batch's outputs) and the outputs' batch axes.
+  """
+  small, large = traced_shapes(forward, args, axes, states, second_sizes(plan))
+  out_axes = output_axes(small, large)
+  outputs_like = whole_batch_like(small, out_axes, plan.batch_size)
+  return forward_outputs(forward, args, axes, plan, states, outputs_like, out_axes, micro_loss, weigh), out_axes
+
+
+def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], replayed: Sequence, args: tuple,
+                  axes, plan: MicroBatchPlan, states) -> Sums:
+  """The whole step: pass 1, ``loss_of(outputs) -> (loss, aux)`` once, pass 2: the gradient with respect to
+  the Variables ``params`` (``None``: no pass 2).
+
+  ``replayed``: the states (model states, random keys) that pass 2 starts again from where pass 1 started.
+  The result is already the whole batch's (weight ``1``): its gradient, loss and metrics.
+  """
+  before = [v.value for v in replayed]
+  sums, out_axes = forward_pass(forward, args, axes, plan, states)
+  loss, aux, cotangents = loss_and_cotangents(loss_of, sums.samples)
+  if params is None:
+    return Sums(None, 1., loss, aux, None)
+  for var, value in zip(replayed, before):
+    var.value = value  # pass 2 starts where pass 1 started: same states, same random keys
+  grad = lambda f: lambda *a: {k: bm.as_jax(g) for k, g in bm.grad(f, grad_vars=params)(*a).items()}
+  grads = pull_back(forward, grad, args, axes, plan, states, cotangents, out_axes,
+                    {k: v.value for k, v in params.items()})
+  return Sums(grads, 1., loss, aux, None)
 
 
 def second_sizes(plan: MicroBatchPlan) -> Tuple[int, int]:

@@ -12,7 +12,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
 import brainpy.math as bm
 import jax.numpy as jnp
 
-from ._accumulate import add_scaled, wide_zeros_like
+from ._accumulate import wide_zeros_like
 from ._plan import check_positive_int
 
 __all__ = ['GradWindow', 'check_accumulate_steps', 'steps_for_epoch', 'with_last_flag']
@@ -69,18 +69,11 @@ class GradWindow:
 
   def __init__(self, params: Dict[str, bm.Variable], copies: Optional[int] = None):
     zeros = wide_zeros_like({k: v.value for k, v in params.items()})
+    self.copies = copies
     if copies is not None:
       zeros = {k: jnp.zeros((copies,) + z.shape, z.dtype) for k, z in zeros.items()}
     self.grads = bm.VarDict({k: bm.Variable(z) for k, z in zeros.items()})
     self.weight = bm.Variable(jnp.zeros(() if copies is None else (copies,), jnp.float32))
-
-  def add(self, grads: Dict, weight, keep: Optional[object] = None) -> None:
-    """Add one batch's gradients (a mean over it) with its weight; ``keep=False`` drops them."""
-    grads, weight = _kept(grads, weight, keep)
-    sums = add_scaled({k: v.value for k, v in self.grads.items()}, weight, grads)
-    for k, var in self.grads.items():
-      var.value = sums[k]
-    self.weight.value += weight
 
   def add_sums(self, grad_sums: Dict, weight, keep: Optional[object] = None) -> None:
     """Add already weighted gradient sums (one device's, inside a shard) and their weight."""
@@ -90,19 +83,12 @@ class GradWindow:
     self.weight.value = self.weight.value + weight
 
   def take_sums(self):
-    """Return this device's ``(grad_sums, weight)`` (its row of each sum) and empty the window."""
-    sums = {k: v.value.sum(0) for k, v in self.grads.items()}
-    weight = self.weight.value.sum()
+    """Return this device's ``(grad_sums, weight)`` (its row of each sum, on a mesh) and empty the window."""
+    row = (lambda x: x) if self.copies is None else (lambda x: x.sum(0))
+    sums = {k: row(v.value) for k, v in self.grads.items()}
+    weight = row(self.weight.value)
     self._empty()
     return sums, weight
-
-  def close(self, reduction: str):
-    """Return ``(grads, weight)`` for the window and empty it. Mean grads for ``'mean'``, sums for ``'sum'``."""
-    weight = self.weight.value
-    divide = jnp.where(weight > 0, weight, 1.) if reduction == 'mean' else 1.
-    grads = {k: v.value / divide for k, v in self.grads.items()}
-    self._empty()
-    return grads, weight
 
   def _empty(self) -> None:
     for var in self.grads.values():

@@ -1,0 +1,81 @@
+"""The default mode's one-time check, at the first batch, that ``loss_fun`` is a mean over samples.
+
+Accumulating micro-batch gradients trains the weighted mean (``'sum'``: the sum) of the micro-batch losses.
+For a loss that couples the samples of a batch (a batch-wide regulariser, a maximum) that is another
+objective. One forward pass of the first batch, cut as training cuts it, gives both the whole batch's loss
+and the combination of the micro-batch losses, from the same predictions; if they differ, a warning says
+by how much and points to ``whole_batch_loss=True``. The check changes nothing and never stops training.
+"""
+
+import functools
+import warnings
+from typing import Callable, Sequence
+
+import brainpy.math as bm
+import jax
+from brainpy.running import constants as c
+
+from ._accumulate import finish_values
+from ._mesh import random_states
+from ._plan import MicroBatchPlan, plan_micro_batches
+from ._states import whole_batch_variables
+from ._two_pass import forward_pass, warn_coupled_loss
+
+__all__ = ['LossCheck', 'whole_and_combined_loss', 'check_loss']
+
+
+def whole_and_combined_loss(forward: Callable, loss_of: Callable, weigh: Callable, args: tuple, axes,
+                            plan: MicroBatchPlan, states, reduction: str):
+  """``(loss of the whole batch, combination of the micro-batch losses)`` from one forward pass.
+
+  ``forward(micro_args, size)`` gives what ``loss_of(outputs, targets) -> (loss, aux)`` receives; ``args``
+  is ``(inputs, targets)``; ``states`` hold the whole batch.
+  """
+  micro_loss = lambda outputs, micro_args: loss_of(outputs, micro_args[1])
+  sums, _ = forward_pass(forward, args, axes, plan, states, micro_loss, weigh)
+  return loss_of(sums.samples, args[1])[0], finish_values(sums.loss_sum, sums.total_weight, reduction)
+
+
+def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, reduction: str) -> None:
+  """Run ``compare() -> (whole, combined)``, give ``variables`` their values back, and warn if they differ.
+
+  A check that fails warns instead of raising: it must never stop training that would run without it.
+  """
+  saved = [v.value for v in variables]
+  try:
+    whole, combined = compare()
+  except Exception as error:
+    warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
+                  f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
+                  UserWarning, stacklevel=4)
+    return
+  finally:
+    for var, value in zip(variables, saved):
+      var.value = value
+  warn_coupled_loss(float(whole), float(combined), plan, reduction)
+
+
+class LossCheck:
+  """The check as a mixin of :class:`~brainpy_accum.AccumBPTT`: :meth:`fit` calls it at each batch; it runs once."""
+
+  def _check_loss_once(self, shared_args, inputs, targets) -> None:
+    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values."""
+    if self._loss_checked:
+      return
+    self._loss_checked = True
+    layout = self._check_batch(inputs, targets)
+    plan = plan_micro_batches(layout.batch_size, micro_batch_size=self.plan_for(layout.batch_size).micro_batch_size)
+    if plan.num_micro_batches == 1:
+      return
+    compare = functools.partial(self._whole_and_combined_loss, plan=plan)
+    compare = bm.jit(compare, static_argnums=(0,)) if self.jit[c.FIT_PHASE] else compare
+    variables = list(self.vars().unique().values()) + random_states(self.target)
+    with self._without_time_step_bars():
+      check_loss(lambda: compare(shared_args, inputs, targets), variables, plan, self.grad_reduction)
+
+  def _whole_and_combined_loss(self, shared_args, inputs, targets, plan: MicroBatchPlan):
+    layout = self._check_batch(inputs, targets)
+    axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
+    with whole_batch_variables(self.target, layout.batch_size) as states:
+      return whole_and_combined_loss(self._forward(shared_args), self._loss_of, self._weigh, (inputs, targets),
+                                     axes, plan, states, self.grad_reduction)

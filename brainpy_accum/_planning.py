@@ -1,0 +1,233 @@
+"""The trainer's planning and placement: how a batch is cut, split over a mesh, measured and compiled.
+
+:class:`Planning` is a mixin of :class:`~brainpy_accum.AccumBPTT`: the public methods that say how a batch
+of a given size runs (:meth:`~Planning.plan_for`, :meth:`~Planning.describe_batch`), choose micro-batches
+under a memory budget (:meth:`~Planning.plan_memory`), compile the step ahead of time, and the private ones
+that check a batch and place the Variables on the mesh.
+"""
+
+import contextlib
+import functools
+from typing import Any, Dict, Optional
+
+import brainpy.math as bm
+from brainpy import tools
+from jax.sharding import PartitionSpec
+from tqdm import tqdm
+
+from ._batch import BatchLayout, batch_layout
+from ._mesh import batch_spec, check_divisible, mesh_size, place, random_states
+from ._plan import MicroBatchPlan, plan_micro_batches
+from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory
+from ._states import batched_variables
+
+__all__ = ['Planning']
+
+
+class Planning:
+  """How :class:`~brainpy_accum.AccumBPTT` cuts, places, measures and compiles a batch (a mixin)."""
+
+  def plan_for(self, batch_size: int) -> MicroBatchPlan:
+    """The micro-batches that a batch of ``batch_size`` samples is cut into.
+
+    With ``num_micro_batch='auto'`` the batch size must have been planned
+    (:meth:`plan_memory`, which :meth:`fit` calls on each new batch size).
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).plan_for(10).sizes
+    (3, 3, 3, 1)
+    """
+    if self.num_micro_batch != 'auto':
+      return plan_micro_batches(self._share_size(batch_size), num_micro_batch=self.num_micro_batch,
+                                micro_batch_size=self.micro_batch_size)
+    if batch_size not in self.memory_plans:
+      raise ValueError(f'No micro-batch plan for {batch_size=} yet under memory_budget='
+                       f'{format_memory(self.memory_budget)}: call trainer.plan_memory(inputs, targets) '
+                       f'with a batch of that size first (fit does this itself).')
+    return self.memory_plans[batch_size][0]
+
+  def num_micro_batch_for(self, batch_size: int) -> int:
+    """How many micro-batches a batch of ``batch_size`` samples runs in.
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> AccumBPTT(model, 'mean_squared_error', micro_batch_size=4).num_micro_batch_for(10)
+    3
+    """
+    return self.plan_for(batch_size).num_micro_batches
+
+  @property
+  def num_devices(self) -> int:
+    """Devices a batch is split over: the size of the mesh's batch axis (1 without a mesh)."""
+    return 1 if self.mesh is None else mesh_size(self.mesh, self.mesh_axis)
+
+  def _share_size(self, batch_size: int) -> int:
+    """Samples each device holds of a batch of ``batch_size``."""
+    return batch_size if self.mesh is None else check_divisible(batch_size, self.num_devices, self.mesh_axis)
+
+  def _place_on_mesh(self, batch_size: Optional[int] = None) -> None:
+    """Put the trainer's Variables on the mesh: model states split along their batch axis, the
+    ``accumulate_steps`` window one row per device, everything else (parameters, optimizer state,
+    counters, random keys) replicated. :meth:`fit` calls it before every step; without a mesh it does nothing.
+    """
+    if self.mesh is None:
+      return
+    split = self._split_variables(with_window=True, batch_size=batch_size)
+    specs = {id(var): spec for var, spec in split}
+    variables = list(self.vars().unique().values()) + [var for var, _ in split] + random_states(self.target)
+    place([(var, specs.get(id(var), PartitionSpec())) for var in variables], self.mesh)
+
+  place_on_mesh = _place_on_mesh  # public: the README names it, for timing a step outside fit
+
+  def _split_variables(self, with_window: bool, batch_size: Optional[int] = None):
+    """``(Variable, partition)`` of every Variable split over the mesh: model states along their batch axis
+    and, ``with_window``, the ``accumulate_steps`` window one row per device. All others are replicated."""
+    axis = self.mesh_axis
+    split = [(var, batch_spec(state_axis, axis)) for var, state_axis in batched_variables(self.target, batch_size).values()]
+    if with_window and self._window is not None:
+      split += [(var, batch_spec(0, axis)) for var in self._window.variables().values()]
+    return split
+
+  def describe_batch(self, batch_size: int) -> str:
+    """How a batch of ``batch_size`` samples is cut, as the report line shows it.
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).describe_batch(10)
+    'batch 10 = 3 x 3 + 1'
+    """
+    plan = self.plan_for(batch_size)
+    if self.mesh is None:
+      return plan.describe()
+    return f'batch {batch_size} = {self.num_devices} devices x ({plan.describe_cuts()})'
+
+  def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None) -> MicroBatchPlan:
+    """Choose and cache the fewest micro-batches whose compiled train step fits ``memory_budget``.
+
+    Each candidate micro-batch size is compiled ahead of time and measured
+    with XLA's memory analysis; no step runs and nothing changes but the
+    cached choice, which is printed and kept in :attr:`memory_plans` as
+    ``{batch_size: (plan, bytes)}``.
+
+    Raises
+    ------
+    ValueError
+      If one sample per micro-batch does not fit either (the message gives
+      the smallest budget that would).
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 16), bp.dnn.Dense(16, 2))
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch='auto', memory_budget='64KiB')
+    >>> x, y = np.ones((32, 20, 3), 'float32'), np.zeros((32, 20, 2), 'float32')
+    >>> plan = trainer.plan_memory(x, y)  # doctest: +ELLIPSIS
+    memory plan: batch 32 = ... micro-batches), train step ... of memory_budget 64.0 KiB
+    >>> trainer.memory_plans[32][1] <= 64 * 1024
+    True
+    """
+    if self.num_micro_batch != 'auto':
+      raise ValueError(f"plan_memory needs num_micro_batch='auto'; this trainer has "
+                       f"num_micro_batch={self.num_micro_batch!r}, micro_batch_size={self.micro_batch_size!r}.")
+    layout = self._check_batch(inputs, targets)
+    batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
+    if batch_size not in self.memory_plans:
+      shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+      measure = lambda size: self.compiled_step_bytes(
+        plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets)
+      try:
+        size, used = choose_micro_batch_size(share, self.memory_budget, measure)
+      except ValueError as error:
+        if self.mesh is None:
+          raise
+        raise ValueError(f'{error} With the mesh, each of the {self.num_devices} devices holds {share} samples of '
+                         f'the batch of {batch_size}, and memory_budget is per device.') from None
+      plan = plan_micro_batches(share, micro_batch_size=size)
+      self.memory_plans[batch_size] = (plan, used)
+      per_device = '' if self.mesh is None else ' per device'
+      tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plan.num_micro_batches} micro-batches), '
+                 f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}')
+    return self.memory_plans[batch_size][0]
+
+  def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets) -> int:
+    """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
+
+    The model state enters at its current size, as :meth:`fit` leaves it before a step
+    (reset at the batch size); nothing is executed and nothing changes. With a
+    mesh the figure is per device.
+    """
+    return compiled_step_bytes(self.compile_step(inputs, targets, shared_args, plan=plan))
+
+  def compile_step(self, inputs, targets, shared_args: Optional[Dict] = None,
+                   plan: Optional[MicroBatchPlan] = None, update: bool = True):
+    """The train step for this batch shape, compiled ahead of time by XLA; nothing runs, nothing changes.
+
+    Returns JAX's compiled object: ``memory_analysis()`` gives its memory
+    (per device with a mesh), ``as_text()`` its optimised HLO, e.g. to count
+    the cross-device reductions (``all-reduce``) of a sharded step. The model
+    state enters at its current size: call ``model.reset(batch_size)`` first,
+    as :meth:`fit` does. ``plan`` overrides the trainer's micro-batch plan;
+    ``update=False`` compiles the step that only adds a batch to the
+    ``accumulate_steps`` window.
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 8), bp.dnn.Dense(8, 2))
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=4)
+    >>> x, y = np.ones((16, 5, 3), 'float32'), np.zeros((16, 5, 2), 'float32')
+    >>> model.reset(16)
+    >>> compiled = trainer.compile_step(x, y)
+    >>> compiled.memory_analysis().temp_size_in_bytes > 0
+    True
+    """
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update), static_argnums=(0,))
+    with self._without_time_step_bars():
+      return step.compile(shared_args, inputs, targets)
+
+  @contextlib.contextmanager
+  def _without_time_step_bars(self):
+    """Trace steps without bp.BPTT's per-time-step progress bars (host callbacks inside the compiled step)."""
+    shown, self.progress_bar = self.progress_bar, False
+    try:
+      yield
+    finally:
+      self.progress_bar = shown
+
+  def _check_batch(self, inputs: Any, targets: Any) -> BatchLayout:
+    """Check one batch and return its layout; raises ``ValueError`` before anything changes.
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(3, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> trainer._check_batch(np.ones((8, 5, 3)), np.ones((8, 5, 2))).batch_size
+    8
+    >>> trainer._check_batch(np.ones((8, 5, 3)), np.ones((6, 5, 2)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: targets has shape (6, 5, 2), but the inputs hold batch_size=8 samples ...
+    """
+    layout = batch_layout(inputs, targets, self.data_first_axis, self.target_batch_axis)
+    self._share_size(layout.batch_size)
+    return layout
