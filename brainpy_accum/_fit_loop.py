@@ -15,6 +15,7 @@ from tqdm import tqdm
 from ._checks import check_data, check_fit_args
 from ._compiles import count_compilations
 from ._report import PhaseLog
+from ._oom import run_with_retry
 from ._window import steps_for_epoch, with_last_flag
 
 __all__ = ['LoopOptions', 'fit', 'run_epoch']
@@ -68,12 +69,13 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
         trainer.plan_memory(inputs, targets, options.shared_args)
       if phase == 'fit':
         trainer._check_loss_once(options.shared_args, inputs, targets)  # once per trainer, changes nothing
-      step = _step_for(trainer, phase, update=last or (position + 1) % window == 0)
-      with count_compilations() as compiled:
-        result = step(options.shared_args, inputs, targets)
+      update = last or (position + 1) % window == 0
+      result, compiles = run_with_retry(  # out of device memory: the same batch again, cut finer
+        lambda: _call_step(trainer, phase, update, options.shared_args, inputs, targets),
+        lambda error: trainer._replan_finer(layout.batch_size))
       step_phase = 'fit' if phase == 'fit' else 'loss'
       if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
-        trainer._note_compilations(step_phase, compiled())
+        trainer._note_compilations(step_phase, compiles)
       loss, aux = _split_result(trainer, phase, result)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
       if bar is not None:
@@ -85,6 +87,14 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
   finally:
     if bar is not None:
       bar.close()
+
+
+def _call_step(trainer, phase: str, update: bool, shared_args, inputs, targets):
+  """Run the compiled step for this batch; return its result and the XLA compilations it caused."""
+  step = _step_for(trainer, phase, update)
+  with count_compilations() as compiled:
+    result = step(shared_args, inputs, targets)
+  return result, compiled()
 
 
 def _step_for(trainer, phase: str, update: bool):

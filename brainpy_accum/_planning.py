@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from ._batch import BatchLayout, batch_layout
 from ._mesh import batch_spec, check_divisible, mesh_size, place, random_states
+from ._oom import finer_plan
 from ._plan import MicroBatchPlan, plan_micro_batches
 from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory
 from ._states import batched_variables
@@ -42,6 +43,8 @@ class Planning:
     >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).plan_for(10).sizes
     (3, 3, 3, 1)
     """
+    if batch_size in self._finer_plans:  # re-planned after running out of device memory
+      return self._finer_plans[batch_size]
     if self.num_micro_batch != 'auto':
       return plan_micro_batches(self._share_size(batch_size), num_micro_batch=self.num_micro_batch,
                                 micro_batch_size=self.micro_batch_size)
@@ -50,6 +53,15 @@ class Planning:
                        f'{format_memory(self.memory_budget)}: call trainer.plan_memory(inputs, targets) '
                        f'with a batch of that size first (fit does this itself).')
     return self.memory_plans[batch_size][0]
+
+  def _replan_finer(self, batch_size: int) -> str:
+    """After the device ran out of memory: twice the micro-batches for ``batch_size``, steps traced anew."""
+    before = self.describe_batch(batch_size)
+    self._finer_plans[batch_size] = finer_plan(self.plan_for(batch_size))
+    self._jit_step_func_fit = bm.jit(self._step_func_fit, static_argnums=(0,))
+    self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
+    self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
+    return f'{before} now runs as {self.describe_batch(batch_size)}'
 
   def num_micro_batch_for(self, batch_size: int) -> int:
     """How many micro-batches a batch of ``batch_size`` samples runs in.

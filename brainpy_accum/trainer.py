@@ -224,6 +224,7 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     window = self.accumulate_steps != 1
     self._window = GradWindow(self.target.train_vars().unique(), copies) if window else None
     self.trace_counts = {'fit': 0, 'loss': 0}
+    self._finer_plans: Dict[int, MicroBatchPlan] = {}  # batch sizes re-planned after running out of memory
     self._compilations = {'fit': 0, 'loss': 0}
     self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
     self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
