@@ -58,9 +58,7 @@ class Planning:
     """After the device ran out of memory: twice the micro-batches for ``batch_size``, steps traced anew."""
     before = self.describe_batch(batch_size)
     self._finer_plans[batch_size] = finer_plan(self.plan_for(batch_size))
-    self._jit_step_func_fit = bm.jit(self._step_func_fit, static_argnums=(0,))
-    self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
-    self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
+    self._jit_steps()
     return f'{before} now runs as {self.describe_batch(batch_size)}'
 
   def num_micro_batch_for(self, batch_size: int) -> int:

@@ -76,7 +76,7 @@ def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: Micro
   if plan.num_micro_batches == 1 and alone:
     out = micro_fn(args, plan.batch_size)
     return Sums(out.grads, 1., out.loss, out.aux, None)
-  if two_passes is not None and plan.num_micro_batches > 1:
+  if two_passes is not None and (plan.num_micro_batches > 1 or not alone):
     return two_passes(args, axes, plan, states)
   grads_like = None if params is None else {k: v.value for k, v in params.items()}
   return accumulate(micro_fn, args, axes, plan, states, grads_like)

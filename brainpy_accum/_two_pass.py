@@ -18,7 +18,7 @@ treated as constants by the gradient.
 """
 
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import brainpy.math as bm
 import brainstate
@@ -29,7 +29,7 @@ from ._batch import take_samples
 from ._core import MicroResult, Sums, _is_leaf as is_array, accumulate
 from ._plan import MicroBatchPlan
 
-__all__ = ['check_whole_batch_loss', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes',
+__all__ = ['Devices', 'check_whole_batch_loss', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes',
            'pull_back', 'second_sizes', 'traced_shapes', 'two_pass_sums', 'warn_coupled_loss', 'whole_batch_like']
 
 
@@ -140,25 +140,54 @@ def forward_pass(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, sta
   return forward_outputs(forward, args, axes, plan, states, outputs_like, out_axes, micro_loss, weigh), out_axes
 
 
+class Devices(NamedTuple):
+  """Inside ``shard_map``: the mesh axis the batch is split over, and its number of devices."""
+  axis: str
+  count: int
+
+
+def gather_outputs(outputs, out_axes, devices: Devices):
+  """Every device's share of the outputs, joined on their batch axes into the whole batch's (one all-gather)."""
+  leaves, treedef = jax.tree_util.tree_flatten(outputs)
+  return treedef.unflatten([x if a is None else jax.lax.all_gather(x, devices.axis, axis=a, tiled=True)
+                            for x, a in zip(leaves, out_axes)])
+
+
+def own_share(cotangents, out_axes, share: int, devices: Devices):
+  """This device's samples of the whole batch's ``cotangents``."""
+  start = jax.lax.axis_index(devices.axis) * share
+  leaves, treedef = jax.tree_util.tree_flatten(cotangents)
+  return treedef.unflatten([c if a is None else jax.lax.dynamic_slice_in_dim(c, start, share, axis=a)
+                            for c, a in zip(leaves, out_axes)])
+
+
 def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], replayed: Sequence, args: tuple,
-                  axes, plan: MicroBatchPlan, states) -> Sums:
+                  axes, plan: MicroBatchPlan, states, devices: Optional[Devices] = None) -> Sums:
   """The whole step: pass 1, ``loss_of(outputs) -> (loss, aux)`` once, pass 2: the gradient with respect to
   the Variables ``params`` (``None``: no pass 2).
 
   ``replayed``: the states (model states, random keys) that pass 2 starts again from where pass 1 started.
-  The result is already the whole batch's (weight ``1``): its gradient, loss and metrics.
+  The result is already the whole batch's (weight ``1``): its gradient, loss and metrics. With ``devices``
+  (inside ``shard_map``, ``args`` this device's share) the outputs are gathered, every device evaluates the
+  loss of the whole batch, pulls back its own share of the loss gradient, and returns weight ``1 / D``, so
+  that the one sum over devices that follows gives the whole batch's gradient, loss and metrics.
   """
   before = [v.value for v in replayed]
   sums, out_axes = forward_pass(forward, args, axes, plan, states)
-  loss, aux, cotangents = loss_and_cotangents(loss_of, sums.samples)
+  outputs = sums.samples if devices is None else gather_outputs(sums.samples, out_axes, devices)
+  loss, aux, cotangents = loss_and_cotangents(loss_of, outputs)
+  weight = 1. if devices is None else 1. / devices.count
+  loss, aux = jax.tree_util.tree_map(lambda v: v * weight, (loss, aux)) if devices is not None else (loss, aux)
   if params is None:
-    return Sums(None, 1., loss, aux, None)
+    return Sums(None, weight, loss, aux, None)
   for var, value in zip(replayed, before):
     var.value = value  # pass 2 starts where pass 1 started: same states, same random keys
+  if devices is not None:
+    cotangents = own_share(cotangents, out_axes, plan.batch_size, devices)
   grad = lambda f: lambda *a: {k: bm.as_jax(g) for k, g in bm.grad(f, grad_vars=params)(*a).items()}
   grads = pull_back(forward, grad, args, axes, plan, states, cotangents, out_axes,
                     {k: v.value for k, v in params.items()})
-  return Sums(grads, 1., loss, aux, None)
+  return Sums(grads, weight, loss, aux, None)
 
 
 def second_sizes(plan: MicroBatchPlan) -> Tuple[int, int]:
@@ -167,7 +196,7 @@ def second_sizes(plan: MicroBatchPlan) -> Tuple[int, int]:
   return size, (plan.remainder if plan.remainder else (size - 1 if size > 1 else 2))
 
 
-def check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps, mesh) -> None:
+def check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps) -> None:
   """Refuse ``whole_batch_loss`` where it is not a bool or cannot be exact, before anything is built."""
   if not isinstance(whole_batch_loss, bool):
     raise TypeError(f'whole_batch_loss={whole_batch_loss!r} must be True or False.')
@@ -182,9 +211,6 @@ def check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, acc
     raise ValueError(f'whole_batch_loss=True evaluates loss_fun once on the whole batch, so it needs no '
                      f'weighting: drop grad_reduction={grad_reduction!r} and loss_weight_fn={loss_weight_fn!r} '
                      f'(keep the defaults).')
-  if mesh is not None:
-    raise ValueError('whole_batch_loss=True does not run on a mesh yet: train on one device (mesh=None), or '
-                     'use the default mode if the loss is a mean over samples.')
 
 
 def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str,

@@ -30,7 +30,7 @@ from ._planning import Planning
 from ._sharded import on_mesh
 from ._states import whole_batch_variables
 from ._step import Settled, batch_sums, micro_step, same, settle
-from ._two_pass import check_whole_batch_loss, two_pass_sums
+from ._two_pass import Devices, check_whole_batch_loss, two_pass_sums
 from ._update import clip_by_global_norm, guarded_update
 from ._window import GradWindow, check_accumulate_steps
 
@@ -145,10 +145,11 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     numbers, pulling back its slice of that gradient. Memory: the whole
     batch's predictions plus one micro-batch's activations; compute: about
     one extra forward pass. It combines with ``remat``, ``clip_grad_norm``,
-    ``skip_nonfinite`` and the memory planner, but not with
+    ``skip_nonfinite``, the memory planner and ``mesh`` (outputs gathered
+    over the devices, one gradient all-reduce), but not with
     ``accumulate_steps > 1`` (the loss of several batches together is not
-    known from their separate losses), ``grad_reduction='sum'``,
-    ``loss_weight_fn`` (the loss itself normalises) or ``mesh``.
+    known from their separate losses), ``grad_reduction='sum'`` or
+    ``loss_weight_fn`` (the loss itself normalises).
   **kwargs
     Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
     ``jit``, ``data_first_axis``, ``progress_bar``, ...).
@@ -199,7 +200,7 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
       **kwargs,
   ):
     self.mesh_axis = check_mesh(mesh, mesh_axis)
-    check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps, mesh)
+    check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps)
     if num_micro_batch is None and micro_batch_size is None:
       num_micro_batch = 1  # no option: bp.BPTT's whole-batch step
     check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
@@ -226,6 +227,11 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     self.trace_counts = {'fit': 0, 'loss': 0}
     self._finer_plans: Dict[int, MicroBatchPlan] = {}  # batch sizes re-planned after running out of memory
     self._compilations = {'fit': 0, 'loss': 0}
+    self._jit_steps()
+
+  def _jit_steps(self) -> None:
+    """Fresh jitted steps (bp.BPTT's train step too): they trace again, with the current plans."""
+    self._jit_step_func_fit = bm.jit(self._step_func_fit, static_argnums=(0,))
     self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
     self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
 
@@ -340,5 +346,6 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     """``whole_batch_loss=True``: the core's two passes (:mod:`._two_pass`) as ``two_passes(args, axes, plan, states)``."""
     replayed = [v for v in self.target.vars().unique().values() if not isinstance(v, bm.TrainVar)]
     replayed += [v for v in random_states(self.target) if all(v is not r for r in replayed)]
+    devices = None if self.mesh is None else Devices(self.mesh_axis, self.num_devices)
     return functools.partial(two_pass_sums, self._forward(shared_args), lambda p: self._loss_of(p, targets),
-                             params, replayed)
+                             params, replayed, devices=devices)

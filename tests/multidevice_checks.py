@@ -219,3 +219,24 @@ def test_stateful_chunks_and_predict_over_devices(mesh):
     predicted = np.asarray(trainer.predict(make_batches((8,), seed=3)[0][0], reset_state=True))
     results.append((params_of(model), np.asarray(trainer.train_losses), state, predicted))
   assert_trees_close(results[1], results[0])
+
+
+@pytest.mark.parametrize('case', ['rate_regulariser_snn', 'batch_max_rnn', 'contrastive_rnn'])
+def test_whole_batch_loss_over_devices_equals_bptt(mesh, case):
+  """Coupled losses on 8 devices: outputs gathered, the loss of the whole batch on every device, each device
+  pulls back its own share; one gradient all-reduce. Batches of 16 and 24: 2 and 3 samples per device."""
+  from test_whole_batch_loss import CASES, _assert_same_run, _trainer
+  model, loss, monitored, _ = CASES[case]
+  CASES[case + '_mesh'] = (model, loss, monitored, (16, 24, 16))
+  try:
+    batches = make_batches((16, 24, 16))
+    expected = _trainer(bp.BPTT, case + '_mesh')
+    expected.fit(batches, test_data=batches[:1], num_epoch=2)
+    actual = _trainer(AccumBPTT, case + '_mesh', num_micro_batch=2, whole_batch_loss=True, mesh=mesh)
+    actual.fit(batches, test_data=batches[:1], num_epoch=2)
+    _assert_same_run(actual, expected)
+    x, y = batches[0]
+    actual.target.reset(16)
+    assert count_all_reduces(actual.compile_step(x, y).as_text()).in_loops == 0
+  finally:
+    del CASES[case + '_mesh']
