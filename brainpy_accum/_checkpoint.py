@@ -8,15 +8,28 @@ anything: a corrupt or mismatched file raises and leaves the trainer as it was.
 Variables are matched by position in BrainPy's traversal order, not by their
 auto-generated names, which differ between processes that build other
 objects first.
+
+With several processes (:func:`jax.distributed.initialize`) every process
+takes part in gathering the values (some, like the ``accumulate_steps``
+window, live on all processes' devices), process 0 alone writes the file, and
+all wait until it is in place. Stale temporary files of processes that died
+while writing are removed at the next save.
+
+:meth:`fit` adds where the run stands (:class:`._resume.Progress`) and its
+metric history, so that ``fit(..., checkpoint=path)`` can resume.
 """
 
+import glob
 import os
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import brainpy as bp
 import brainpy.math as bm
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+
+from ._resume import Progress
 
 __all__ = ['FORMAT', 'Checkpoints', 'checkpoint_groups', 'save', 'load']
 
@@ -48,7 +61,10 @@ def _is_prng_key(value) -> bool:
 def _to_host(value) -> np.ndarray:
   """A NumPy array of ``value``; typed PRNG keys as their raw key data."""
   value = bm.as_jax(value)
-  return np.asarray(jax.random.key_data(value) if _is_prng_key(value) else value)
+  value = jax.random.key_data(value) if _is_prng_key(value) else value
+  if isinstance(value, jax.Array) and not value.is_fully_addressable:  # parts live in other processes
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+  return np.asarray(value)
 
 
 def _from_host(stored, current):
@@ -59,13 +75,30 @@ def _from_host(stored, current):
   return np.asarray(stored)
 
 
-def save(trainer, path: str) -> str:
-  """Write the trainer's checkpoint to ``path`` atomically; return ``path``."""
+def save(trainer, path: str, run: Optional[Tuple[Progress, Dict[str, dict]]] = None) -> str:
+  """Write the trainer's checkpoint to ``path`` atomically; return ``path``.
+
+  ``run``: :meth:`fit`'s ``(progress, {phase: PhaseLog.state()})``, kept beside the Variables.
+  """
   groups = checkpoint_groups(trainer)
   tree = {'format': FORMAT,
           'values': {g: {_key(i): _to_host(v.value) for i, v in enumerate(vs.values())} for g, vs in groups.items()},
           'names': {g: {_key(i): name for i, name in enumerate(vs)} for g, vs in groups.items()}}
+  if run is not None:
+    progress, history = run
+    tree['progress'] = {k: int(v) for k, v in progress._asdict().items()}
+    tree['history'] = history
   path = os.fspath(path)
+  if jax.process_index() == 0:
+    _write(tree, path)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(f'brainpy_accum checkpoint {path}')  # no process reads it before it exists
+  return path
+
+
+def _write(tree: dict, path: str) -> None:
+  """``tree`` to ``path`` through a temporary file renamed into place (never a partial file at ``path``)."""
+  _remove_stale_temporaries(path)
   temporary = f'{path}.tmp-{os.getpid()}'
   try:
     bp.checkpoints.save_pytree(temporary, tree, overwrite=True, verbose=False)
@@ -73,7 +106,27 @@ def save(trainer, path: str) -> str:
   finally:
     if os.path.exists(temporary):
       os.remove(temporary)
-  return path
+
+
+def _remove_stale_temporaries(path: str) -> None:
+  """Remove ``path.tmp-<pid>`` files left by writers that were killed mid-write (their pid is gone)."""
+  for temporary in glob.glob(glob.escape(path) + '.tmp-*'):
+    pid = temporary.rsplit('-', 1)[-1]
+    if pid.isdigit() and not _alive(int(pid)):
+      try:
+        os.remove(temporary)
+      except FileNotFoundError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
 
 
 def _read(path: str) -> dict:
@@ -105,8 +158,11 @@ def _check_group(path, group, variables, stored) -> None:
                        f'Nothing was loaded.')
 
 
-def load(trainer, path: str) -> None:
-  """Restore ``trainer`` from ``path``; raises before assigning anything if the file does not fit."""
+def load(trainer, path: str) -> Optional[Tuple[Progress, Dict[str, dict]]]:
+  """Restore ``trainer`` from ``path``; raises before assigning anything if the file does not fit.
+
+  Returns the ``(progress, history)`` that :meth:`fit` saved with it (``None`` for a checkpoint saved by hand).
+  """
   path = os.fspath(path)
   tree = _read(path)
   groups = checkpoint_groups(trainer)
@@ -117,6 +173,14 @@ def load(trainer, path: str) -> None:
   for group, variables in groups.items():
     for i, var in enumerate(variables.values()):
       var.value = _from_host(tree['values'][group][_key(i)], var.value)
+  return _run_of(tree)
+
+
+def _run_of(tree: dict) -> Optional[Tuple[Progress, Dict[str, dict]]]:
+  if 'progress' not in tree:
+    return None
+  progress = Progress(**{k: int(v) for k, v in tree['progress'].items()})
+  return progress._replace(trained_all=bool(progress.trained_all)), tree.get('history', {})
 
 
 class Checkpoints:

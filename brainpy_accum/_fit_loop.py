@@ -1,24 +1,30 @@
-"""One epoch of :meth:`AccumBPTT.fit`: checks, resets, the right compiled step per batch, reports.
+"""The epochs of :meth:`AccumBPTT.fit`: checks, resets, the right compiled step per batch, reports, checkpoints.
 
 Kept apart from the trainer so the loop reads in one sitting. It records what
 :class:`brainpy.BPTT` records (per-batch losses and metrics, report-window
 means) and adds to each report line how the batch was cut, how many batches
-make one update and, with ``skip_nonfinite``, how many were skipped.
+make one update and, with ``skip_nonfinite``, how many were skipped. With a
+``checkpoint`` path it saves where the run stands (:mod:`._resume`) and, run
+again, resumes from there.
 """
 
-from typing import Any, Callable, NamedTuple, Optional, Sized, Tuple, cast
+import itertools
+import os
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sized, Tuple, cast
 
 import brainstate.environ
 from brainpy import tools
 from tqdm import tqdm
 
+from ._checkpoint import load, save
 from ._checks import check_data, check_fit_args
 from ._compiles import count_compilations
 from ._report import PhaseLog
 from ._oom import run_with_retry
+from ._resume import Interrupted, Progress, StopRequest, act_on, check_checkpoint_args, deferred_signals
 from ._window import steps_for_epoch, with_last_flag
 
-__all__ = ['LoopOptions', 'fit', 'run_epoch']
+__all__ = ['LoopOptions', 'Run', 'fit', 'run_epoch']
 
 
 class LoopOptions(NamedTuple):
@@ -30,36 +36,109 @@ class LoopOptions(NamedTuple):
   show_bars: bool
 
 
+class Run:
+  """One :meth:`fit` call's progress, its metric logs and its checkpoints."""
+
+  def __init__(self, trainer, checkpoint: Optional[str], checkpoint_every: Optional[int]):
+    self.trainer, self.checkpoint, self.every = trainer, checkpoint, checkpoint_every
+    self.logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
+    self.progress = Progress()
+    self._test_log_at_start: Optional[dict] = None  # the test log before the running test pass
+
+  def resume(self) -> None:
+    """Continue from the checkpoint if one exists (a checkpoint saved by hand: its state, from epoch 0)."""
+    if self.checkpoint is None or not os.path.exists(self.checkpoint):
+      return
+    saved = load(self.trainer, self.checkpoint)
+    if saved is not None:
+      self.progress, history = saved
+      for phase, log in self.logs.items():
+        if phase in history:
+          log.restore(history[phase])
+    tqdm.write(f'resuming from checkpoint={self.checkpoint!r} at epoch {self.progress.epoch}, '
+               f'{self.progress.trained} batches of it trained')
+
+  def batch_trained(self, update: bool) -> None:
+    self.progress = self.progress._replace(trained=self.progress.trained + 1,
+                                           updates=self.progress.updates + int(update))
+
+  def after_report(self, update: bool) -> None:
+    """Every ``checkpoint_every`` updates, a checkpoint."""
+    if update and self.every is not None and self.progress.updates % self.every == 0:
+      self.save()
+
+  def test_starts(self) -> None:
+    self._test_log_at_start = self.logs['test'].state()
+
+  def epoch_done(self) -> None:
+    self.progress, self._test_log_at_start = self.progress.next_epoch(), None
+    self.save()
+
+  def save(self) -> None:
+    """A checkpoint of the trainer and of where the run stands (a test pass under way is run again)."""
+    if self.checkpoint is None:
+      return
+    history = {phase: log.state() for phase, log in self.logs.items()}
+    if self._test_log_at_start is not None:
+      history['test'] = self._test_log_at_start
+    save(self.trainer, self.checkpoint, (self.progress, history))
+
+
 def fit(trainer, train_data, test_data, num_epoch: int, num_report: int, reset_state: bool, shared_args,
-        fun_after_report: Optional[Callable], batch_size) -> None:
-  """:meth:`AccumBPTT.fit`: check the arguments, run the epochs, keep the metrics as ``bp.BPTT`` keeps them."""
+        fun_after_report: Optional[Callable], batch_size, checkpoint=None, checkpoint_every=None) -> None:
+  """:meth:`AccumBPTT.fit`: check the arguments, run (or resume) the epochs, keep the metrics as ``bp.BPTT``."""
   check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size)
+  checkpoint_every = check_checkpoint_args(checkpoint, checkpoint_every)
   check_data('train_data', train_data)
   if test_data is not None:
     check_data('test_data', test_data)
   shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
   options = LoopOptions(num_report, reset_state, shared_args, fun_after_report, show_bars=trainer.progress_bar)
-  logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
+  run = Run(trainer, None if checkpoint is None else os.fspath(checkpoint), checkpoint_every)
+  run.resume()
+  logs = run.logs
   try:
-    with trainer._without_time_step_bars(), brainstate.environ.context(fit=True):
-      for epoch in range(num_epoch):
-        run_epoch(trainer, 'fit', train_data, logs['fit'], epoch, options)
-        trainer.optimizer.lr.step_epoch()
+    with trainer._without_time_step_bars(), brainstate.environ.context(fit=True), deferred_signals() as stop:
+      for epoch in range(run.progress.epoch, num_epoch):
+        if not run.progress.trained_all:
+          run_epoch(trainer, 'fit', train_data, logs['fit'], epoch, options, run, stop)
+          trainer.optimizer.lr.step_epoch()
+          run.progress = run.progress._replace(trained_all=True)
         if test_data is not None:
-          run_epoch(trainer, 'test', test_data, logs['test'], epoch, options)
+          run.test_starts()
+          run_epoch(trainer, 'test', test_data, logs['test'], epoch, options, run, stop)
+        run.epoch_done()
+        stop.check()
+  except (Interrupted, KeyboardInterrupt) as interruption:
+    if not getattr(interruption, 'forced', False):  # a second Ctrl-C mid-step may have left a half-written step
+      run.save()
+    _keep_history(trainer, logs)
+    if isinstance(interruption, Interrupted):
+      act_on(interruption.signum)  # Ctrl-C: KeyboardInterrupt; SIGTERM: its previous handler (default: exit)
+    raise
   finally:
-    trainer._report_train_metrics, trainer._detailed_train_metrics = logs['fit'].arrays()
-    trainer._report_test_metrics, trainer._detailed_test_metrics = logs['test'].arrays()
+    _keep_history(trainer, logs)
 
 
-def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: LoopOptions) -> None:
-  """Run one pass of ``phase`` (``'fit'`` or ``'test'``) over ``data``."""
+def _keep_history(trainer, logs: Dict[str, PhaseLog]) -> None:
+  trainer._report_train_metrics, trainer._detailed_train_metrics = logs['fit'].arrays()
+  trainer._report_test_metrics, trainer._detailed_test_metrics = logs['test'].arrays()
+
+
+def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: LoopOptions, run: Run,
+              stop: StopRequest) -> None:
+  """Run one pass of ``phase`` (``'fit'`` or ``'test'``) over ``data``; a resumed training pass skips the
+  batches already trained and continues the report window it had open."""
   batches = data() if callable(data) else data
-  bar = tqdm(total=len(cast(Sized, batches))) if options.show_bars and hasattr(batches, '__len__') else None
+  skip = run.progress.trained if phase == 'fit' else 0
+  bar = (tqdm(total=len(cast(Sized, batches)), initial=skip)
+         if options.show_bars and hasattr(batches, '__len__') else None)
   window = steps_for_epoch(trainer.accumulate_steps, epoch) if phase == 'fit' else 1
-  log.start_epoch()
+  if skip == 0:
+    log.start_epoch()
   try:
-    for position, ((inputs, targets), last) in enumerate(with_last_flag(batches)):
+    for position, ((inputs, targets), last) in enumerate(with_last_flag(itertools.islice(batches, skip, None)),
+                                                         start=skip):
       layout = trainer._check_batch(inputs, targets)  # before anything changes
       if options.reset_state:
         trainer.target.reset(layout.batch_size)
@@ -78,10 +157,15 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
         trainer._note_compilations(step_phase, compiles)
       loss, aux = _split_result(trainer, phase, result)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
+      if phase == 'fit':
+        run.batch_trained(update)
       if bar is not None:
         bar.update(1)
       if options.num_report > 0 and log.steps % options.num_report == 0:
         _emit(trainer, log, log.steps, 'steps', phase, bar, options.fun_after_report)
+      if phase == 'fit':
+        run.after_report(update)
+      stop.check()
     if options.num_report <= 0:
       _emit(trainer, log, epoch, 'epoch', phase, bar, options.fun_after_report)
   finally:

@@ -60,7 +60,27 @@ class PhaseLog:
     self.started = time.time()
     return line, means
 
+  def state(self) -> dict:
+    """Everything :meth:`restore` needs to continue this log in another process (host arrays, for checkpoints)."""
+    return {'steps': np.asarray(self.steps),
+            **{f'{part}/{key}': _host(values) for part in ('window', 'report', 'detailed')
+               for key, values in getattr(self, part).items()}}
+
+  def restore(self, state: dict) -> None:
+    """Continue from :meth:`state`'s result; the report window is the one that was open."""
+    self.steps = int(state['steps'])
+    self.window, self.report, self.detailed = {'loss': []}, {}, {}
+    for name, values in state.items():
+      if name != 'steps':
+        part, key = name.split('/', 1)
+        getattr(self, part)[key] = list(np.asarray(values))
+
   def arrays(self):
     """``(report, detailed)`` as dicts of NumPy arrays."""
     return ({k: np.asarray(v) for k, v in self.report.items()},
             {k: np.asarray(v) for k, v in self.detailed.items()})
+
+
+def _host(values: List) -> np.ndarray:
+  """A list of per-batch scalars (device or host) as one host array; an empty list as an empty float array."""
+  return np.asarray([np.asarray(v) for v in values]) if values else np.zeros((0,), np.float32)

@@ -7,6 +7,7 @@ the default mode's loss check :mod:`._loss_check`, the epochs :mod:`._fit_loop`,
 """
 
 import functools
+import os
 from typing import Callable, Dict, Iterable, Optional, Tuple, Union
 
 import brainpy as bp
@@ -250,6 +251,8 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
       shared_args: Optional[Dict] = None,
       fun_after_report: Optional[Callable] = None,
       batch_size: None = None,
+      checkpoint: Optional[Union[str, os.PathLike]] = None,
+      checkpoint_every: Optional[int] = None,
   ) -> None:
     """Train on ``train_data`` for ``num_epoch`` epochs, one optimizer update per batch.
 
@@ -279,9 +282,27 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     batch_size : None
       Removed from :class:`brainpy.BPTT`: give batches in the data. Anything
       but ``None`` raises, as in BrainPy (an instance of its ``NoLongerSupportError``).
+    checkpoint : str or os.PathLike, optional
+      A file for checkpoints of the run (:meth:`save_checkpoint`'s content plus where the run stands
+      and its metric history), written atomically at each epoch's end and every ``checkpoint_every``
+      updates. If the file exists when ``fit`` starts, the run resumes from it: the same call run
+      again after a crash, a killed job or Ctrl-C skips the epochs and batches already trained and
+      ends as an uninterrupted run would (same parameters, optimizer and learning-rate step, random
+      state, ``accumulate_steps`` window, losses and history). The data must give the same batches
+      in the same order when run again (a list, or a function that shuffles with a seed per epoch).
+      A larger ``num_epoch`` continues a finished run.
+    checkpoint_every : int, optional
+      Also write the checkpoint every this many optimizer updates (needs ``checkpoint``).
+
+    Notes
+    -----
+    Ctrl-C (SIGINT) and SIGTERM during ``fit`` are held until the running batch is done: ``fit``
+    then stops with the trainer at its last completed batch and a consistent history, writes the
+    checkpoint if one is configured, and lets the signal act (KeyboardInterrupt; SIGTERM's previous
+    handler, by default the end of the process). A second Ctrl-C stops at once, without a checkpoint.
     """
     run_fit(self, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
-            batch_size)
+            batch_size, checkpoint, checkpoint_every)
 
   # ------------------------------------------------------------------ compiled steps
 
