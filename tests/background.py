@@ -64,6 +64,11 @@ def start_two_processes() -> None:
                            for i in range(2)], env())
 
 
+def start_two_process_checkpoints() -> None:
+  """``multihost_resume.py``: two processes interrupted mid-window write a checkpoint; two fresh ones resume."""
+  _start('two_process_checkpoints', [[sys.executable, str(HERE / 'multihost_resume.py'), '{out}']], env())
+
+
 def brainpy_test_file() -> pathlib.Path:
   """BrainPy's own BPTT test file, as the installed brainpy ships it."""
   import importlib.util

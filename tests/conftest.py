@@ -12,5 +12,7 @@ def pytest_collection_finish(session):
     background.start_eight_devices()
   if 'test_two_processes_over_loopback_match_one_process' in names:
     background.start_two_processes()
+  if 'test_two_process_checkpoint_resumes_mid_window' in names:
+    background.start_two_process_checkpoints()
   if any(name.startswith('test_brainpy_own_bptt_tests_pass') for name in names):
     background.start_brainpy_suite()

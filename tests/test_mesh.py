@@ -66,3 +66,21 @@ def test_two_processes_over_loopback_match_one_process():
     assert_trees_close(result['losses'], np.asarray(reference.train_losses))
   for a, b in zip(results[0].values(), results[1].values()):
     np.testing.assert_array_equal(a, b)  # the two processes hold identical parameters
+
+
+@pytest.mark.multidevice
+def test_two_process_checkpoint_resumes_mid_window():
+  """Two processes interrupted with an ``accumulate_steps`` window holding one batch (its rows on both
+  processes' devices) write one checkpoint; two fresh processes resume and end as one uninterrupted process."""
+  from multihost_data import RESUME_BATCHES, NUM_EPOCH, make_resume_trainer
+
+  job = background.finish('two_process_checkpoints', background.start_two_process_checkpoints)
+  assert job.processes[0].returncode == 0, background.output(job)
+  assert 'process 0: interrupted; checkpoint written: True' in background.output(job)
+  reference = make_resume_trainer()
+  reference.fit(RESUME_BATCHES, num_epoch=NUM_EPOCH)
+  for i in range(2):
+    result = np.load(job.out_dir / f'process_{i}.npz')
+    assert_trees_close([result[f'arr_{j}'] for j in range(len(params_of(reference.target)))],
+                       params_of(reference.target))
+    assert_trees_close(result['losses'], np.asarray(reference.train_losses))
