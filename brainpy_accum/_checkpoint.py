@@ -68,11 +68,28 @@ def _to_host(value) -> np.ndarray:
 
 
 def _from_host(stored, current):
-  """``stored`` in the form of ``current`` (re-wrapping raw key data as a typed PRNG key)."""
+  """``stored`` in the form of ``current``: typed PRNG keys re-wrapped; on this process's devices, with the
+  same placement, commitment and weak type (so that the loaded values hit the compiled steps' caches instead of
+  compiling them again). Values shared with other processes stay on the host until the next placement."""
   current = bm.as_jax(current)
   if _is_prng_key(current):
     return jax.random.wrap_key_data(np.asarray(stored), impl=jax.random.key_impl(current))
-  return np.asarray(stored)
+  stored = np.asarray(stored)
+  if not isinstance(current, jax.Array) or not current.is_fully_addressable:
+    return stored
+  if getattr(current, 'weak_type', False):
+    stored = _weak(stored)
+  committed = getattr(current, 'committed', getattr(current, '_committed', True))
+  return jax.device_put(stored, current.sharding) if committed else jax.device_put(stored)
+
+
+def _weak(value: np.ndarray):
+  """``value`` as a weakly typed JAX array, like values made from Python scalars (no public API for this)."""
+  try:
+    from jax._src.lax.lax import _convert_element_type
+    return _convert_element_type(value, value.dtype, weak_type=True)
+  except (ImportError, TypeError, AssertionError):  # another JAX: a strong type costs one more compilation
+    return value
 
 
 def save(trainer, path: str, run: Optional[Tuple[Progress, Dict[str, dict]]] = None) -> str:

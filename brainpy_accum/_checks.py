@@ -75,7 +75,7 @@ def warn_batch_statistics(model) -> None:
                   UserWarning, stacklevel=3)
 
 
-def check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size=None) -> None:
+def check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size=None, shared_args=None) -> None:
   """Validate the loop arguments of :meth:`AccumBPTT.fit`."""
   if batch_size is not None:
     raise RemovedArgumentError(f'fit({batch_size=}) is no longer supported (neither by bp.BPTT): give the data as '
@@ -87,6 +87,8 @@ def check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_s
     raise TypeError(f'{num_report=} must be an int: -1 reports once per epoch, k > 0 every k steps.')
   if not isinstance(reset_state, bool):
     raise TypeError(f'{reset_state=} must be True or False.')
+  if shared_args is not None and not isinstance(shared_args, dict):
+    raise TypeError(f'shared_args={shared_args!r} must be a dict of arguments shared by the model, or None.')
   if fun_after_report is not None and not callable(fun_after_report):
     raise ReportCallbackError(f'{fun_after_report=} must be callable as fun_after_report(idx, metrics, phase).')
 

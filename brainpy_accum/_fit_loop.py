@@ -87,7 +87,7 @@ class Run:
 def fit(trainer, train_data, test_data, num_epoch: int, num_report: int, reset_state: bool, shared_args,
         fun_after_report: Optional[Callable], batch_size, checkpoint=None, checkpoint_every=None) -> None:
   """:meth:`AccumBPTT.fit`: check the arguments, run (or resume) the epochs, keep the metrics as ``bp.BPTT``."""
-  check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size)
+  check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size, shared_args)
   checkpoint_every = check_checkpoint_args(checkpoint, checkpoint_every)
   check_data('train_data', train_data)
   if test_data is not None:
@@ -137,8 +137,8 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
   if skip == 0:
     log.start_epoch()
   try:
-    for position, ((inputs, targets), last) in enumerate(with_last_flag(itertools.islice(batches, skip, None)),
-                                                         start=skip):
+    for position, (batch, last) in enumerate(with_last_flag(itertools.islice(batches, skip, None)), start=skip):
+      inputs, targets = _pair(phase, position, batch)
       layout = trainer._check_batch(inputs, targets)  # before anything changes
       if options.reset_state:
         trainer.target.reset(layout.batch_size)
@@ -171,6 +171,15 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
   finally:
     if bar is not None:
       bar.close()
+
+
+def _pair(phase: str, position: int, batch) -> Tuple[Any, Any]:
+  """``(inputs, targets)`` of one batch, or an error naming the data before anything runs."""
+  if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+    name = 'train_data' if phase == 'fit' else 'test_data'
+    what = f'{type(batch).__name__} of length {len(batch)}' if isinstance(batch, (tuple, list)) else type(batch).__name__
+    raise ValueError(f'{name} gave a {what} as batch {position}: each batch must be a pair (inputs, targets).')
+  return batch[0], batch[1]
 
 
 def _call_step(trainer, phase: str, update: bool, shared_args, inputs, targets):

@@ -39,13 +39,24 @@ def steps_for_epoch(schedule: Union[int, Dict[int, int]], epoch: int) -> int:
 
 
 def with_last_flag(items: Iterable) -> Iterator[Tuple[object, bool]]:
-  """Yield ``(item, is_last)``, looking one item ahead."""
+  """Yield ``(item, is_last)``, looking one item ahead.
+
+  If fetching the next item fails, the item in hand is still yielded (as not last) before the error is
+  raised: the batches a failing data source gave are all trained, as :class:`brainpy.BPTT` trains them.
+  """
   iterator = iter(items)
   try:
     previous = next(iterator)
   except StopIteration:
     return
-  for item in iterator:
+  while True:
+    try:
+      item = next(iterator)
+    except StopIteration:
+      break
+    except Exception:
+      yield previous, False
+      raise
     yield previous, False
     previous = item
   yield previous, True

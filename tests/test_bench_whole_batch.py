@@ -1,6 +1,10 @@
 """``python -m brainpy_accum.bench.whole_batch --quick`` writes its page with every row; speed is not asserted."""
 
+import pytest
+
 from brainpy_accum.bench import whole_batch
+
+pytestmark = pytest.mark.heavy  # CI: on one leg per brainpy version
 
 
 def test_quick_run_writes_the_page_with_every_row(tmp_path):

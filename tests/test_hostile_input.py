@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from brainpy_accum import AccumBPTT  # noqa: E402
 from helpers import make_model, optimizer_state, params_of  # noqa: E402
 
+pytestmark = pytest.mark.heavy  # CI: on one leg per brainpy version
+
 DTYPES = ['float32', 'float16', 'float64', 'int32', 'bool']
 # Each training example compiles two trainers; CI runs 10 of them, BRAINPY_ACCUM_SEARCH=200 searches further.
 FIT_EXAMPLES = int(os.environ.get('BRAINPY_ACCUM_SEARCH', 10))
@@ -114,3 +116,78 @@ def test_bad_constructor_options_raise_value_or_type_error_naming_one(options):
     assert any(name in str(error) for name in kwargs) or 'num_micro_batch' in str(error), str(error)
   else:  # a combination that is valid after all must then train like bp.BPTT; only these are
     assert all(v in (None, 'auto', True, False) or name in ('accumulate_steps', 'remat') for name, v in kwargs.items()), kwargs
+
+
+FIT_OPTION_VALUES = {
+  'num_epoch': [-1, 1.5, '2', None],
+  'num_report': ['x', 1.5, None],
+  'reset_state': [1, 'no', None],
+  'shared_args': ['fit', 3, ['fit']],
+  'fun_after_report': [3, 'print'],
+  'checkpoint': [3, 2.5, ['run.ckpt']],
+  'checkpoint_every': [0, -1, 'k', 1.5],
+}
+
+
+@SETTINGS
+@given(options=st.dictionaries(st.sampled_from(sorted(FIT_OPTION_VALUES)), st.integers(0, 3), min_size=1, max_size=3))
+def test_bad_fit_options_are_refused_naming_one_before_any_change(options, tmp_path_factory):
+  kwargs = {name: FIT_OPTION_VALUES[name][i % len(FIT_OPTION_VALUES[name])] for name, i in options.items()}
+  if 'checkpoint_every' in kwargs and 'checkpoint' not in kwargs:
+    kwargs['checkpoint'] = str(tmp_path_factory.mktemp('run') / 'run.ckpt')
+  trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', num_micro_batch=2, progress_bar=False)
+  before = params_of(trainer.target) + optimizer_state(trainer)
+  with pytest.raises((ValueError, TypeError)) as caught:
+    trainer.fit([(_array((2, 3, 3), 'float32', '', 0), _array((2, 3, 2), 'float32', '', 1))], **kwargs)
+  assert any(name in str(caught.value) for name in kwargs), str(caught.value)
+  for a, b in zip(params_of(trainer.target) + optimizer_state(trainer), before):
+    np.testing.assert_array_equal(a, b)
+
+
+def _data(kind: str, good, stop: int):
+  """Training data of ``len(good)`` batches that misbehaves after ``stop`` of them, as ``kind`` says."""
+  class ClaimsMore:  # a sized iterable that ends before its __len__ (a generator ending early)
+    def __len__(self):
+      return len(good) + 3
+
+    def __iter__(self):
+      return iter(good[:stop])
+
+  def raises():
+    yield from good[:stop]
+    raise RuntimeError('the data source failed')
+
+  def bad_item(item):
+    def data():
+      yield from good[:stop]
+      yield item
+    return data
+
+  return {'ends_early': ClaimsMore(), 'raises': raises, 'triple': bad_item(good[0] + (good[0][1],)),
+          'single_array': bad_item(good[0][0]), 'none_item': bad_item(None)}[kind]
+
+
+@settings(SETTINGS, max_examples=FIT_EXAMPLES)
+@given(kind=st.sampled_from(['ends_early', 'raises', 'triple', 'single_array', 'none_item']),
+       stop=st.integers(0, 3), num_micro_batch=st.sampled_from([1, 2, 3]))
+def test_misbehaving_data_trains_what_it_gave_then_refuses_or_reraises(kind, stop, num_micro_batch):
+  """Data that ends early trains on what it gave; a source error passes through unchanged; a malformed batch
+  is refused with ValueError/TypeError naming train_data. In every case the batches before were trained
+  exactly as bp.BPTT trains them, and nothing after."""
+  good = [(_array((3, 3, 3), 'float32', '', i), _array((3, 3, 2), 'float32', '', i + 10)) for i in range(4)]
+  reference = bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=1e-2), progress_bar=False)
+  reference.fit(good[:stop], num_epoch=1)
+  trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=1e-2), progress_bar=False,
+                      num_micro_batch=num_micro_batch)
+  try:
+    trainer.fit(_data(kind, good, stop), num_epoch=1)
+  except RuntimeError as error:
+    assert kind == 'raises' and str(error) == 'the data source failed'
+  except (ValueError, TypeError) as error:
+    assert kind in ('triple', 'single_array', 'none_item') and 'train_data' in str(error), str(error)
+  else:
+    assert kind == 'ends_early'
+  for a, b in zip(params_of(trainer.target), params_of(reference.target)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  if kind == 'ends_early':
+    assert len(trainer.get_hist_metric('fit', which='detailed')) == stop

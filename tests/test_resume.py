@@ -19,6 +19,8 @@ import background
 from brainpy_accum import AccumBPTT
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
+pytestmark = pytest.mark.heavy  # CI: on one leg per brainpy version
+
 WORKER = str(pathlib.Path(__file__).with_name('resume_worker.py'))
 KILL_AFTER = {'SIGKILL': 7, 'SIGTERM': 11}  # 'batch' lines read (of 15 over 3 epochs) before the signal
 
@@ -150,3 +152,12 @@ def test_checkpoint_of_another_model_is_refused_before_training(tmp_path):
   with pytest.raises(ValueError, match='Nothing was loaded'):
     other.fit(BATCHES, num_epoch=1, checkpoint=checkpoint)
   assert_trees_close(params_of(other.target), before)
+
+
+def test_loaded_checkpoint_reuses_the_compiled_step(tmp_path):
+  """Loaded values keep the placement, commitment and weak types of the trained ones: no new compilation."""
+  trainer = _trainer()
+  trainer.fit(BATCHES[:2], num_epoch=1)
+  trainer.load_checkpoint(trainer.save_checkpoint(tmp_path / 'run.ckpt'))
+  trainer.fit(BATCHES[:2], num_epoch=1)
+  assert trainer.compilations['fit'] == 1

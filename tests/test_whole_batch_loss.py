@@ -15,6 +15,8 @@ import pytest
 from brainpy_accum import AccumBPTT
 from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
 
+pytestmark = pytest.mark.heavy  # CI: on one leg per brainpy version
+
 
 def rate_regulariser(predicts, targets):
   """Cross-entropy-like term plus ``sum over units of (mean over batch and time - f0)^2``."""
