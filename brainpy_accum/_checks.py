@@ -40,11 +40,19 @@ def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, t
       raise ValueError(f'{target_batch_axis=} must be None (follow data_first_axis) or a non-negative int.')
 
 
-def check_remat(remat) -> None:
-  """``remat`` is a bool or a positive int (steps per checkpointed segment)."""
+def check_remat(remat, num_micro_batch=None, memory_budget=None) -> None:
+  """``remat`` is a bool, a positive int (steps per checkpointed segment), or ``'auto'`` with the memory planner."""
   if isinstance(remat, bool):
     return
-  check_positive_int('remat', remat, 'Use remat=True (segments of sqrt(T) steps), an int segment length, or False.')
+  if isinstance(remat, str) and remat == 'auto':
+    if num_micro_batch != 'auto' or memory_budget is None:
+      raise ValueError(f"remat='auto' lets the memory planner choose remat together with the micro-batches, so it "
+                       f"needs num_micro_batch='auto' and a memory_budget; got {num_micro_batch=} and "
+                       f"{memory_budget=}. Add num_micro_batch='auto', memory_budget='2GiB', or choose "
+                       f"remat=True or False yourself.")
+    return
+  check_positive_int('remat', remat, "Use remat=True (segments of sqrt(T) steps), an int segment length, False, or "
+                                     "'auto' (with num_micro_batch='auto' and a memory_budget).")
 
 
 def check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite) -> None:

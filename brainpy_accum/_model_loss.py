@@ -22,10 +22,11 @@ class ModelLoss:
   """The model's predictions and the loss of a (micro-)batch, as :class:`~brainpy_accum.AccumBPTT` uses them."""
 
   def _fun_predict(self, indices, *inputs, shared_args=None):
-    if not self.remat or self._memory_efficient:
+    remat = self._remat_in_effect()  # per batch size with remat='auto'
+    if not remat or self._memory_efficient:
       return super()._fun_predict(indices, *inputs, shared_args=shared_args)
     step = functools.partial(self._step_func_predict, shared_args=shared_args)
-    segment = None if self.remat is True else self.remat
+    segment = None if remat is True else remat
     return checkpointed_time_loop(step, indices, inputs, segment, jit=self.jit['predict'])
 
   def _forward(self, shared_args) -> Callable:

@@ -5,9 +5,9 @@ train step is traced, so each distinct batch size gets exactly one plan and
 one compilation.
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
-__all__ = ['MicroBatchPlan', 'plan_micro_batches', 'check_positive_int']
+__all__ = ['MicroBatchPlan', 'plan_micro_batches', 'check_positive_int', 'describe_remat']
 
 
 class MicroBatchPlan(NamedTuple):
@@ -23,6 +23,10 @@ class MicroBatchPlan(NamedTuple):
     Number of full micro-batches.
   remainder : int
     Samples in the one short micro-batch that follows the full ones (0 for none).
+  remat : bool, int or None
+    Rematerialisation of the time loop chosen for this batch by ``remat='auto'``
+    (``False``, ``True`` for segments of ``round(sqrt(T))`` steps, or a segment
+    length); ``None`` (default) follows the trainer's ``remat`` option.
 
   Examples
   --------
@@ -35,6 +39,7 @@ class MicroBatchPlan(NamedTuple):
   micro_batch_size: int
   num_full: int
   remainder: int
+  remat: Union[bool, int, None] = None
 
   @property
   def num_micro_batches(self) -> int:
@@ -47,12 +52,20 @@ class MicroBatchPlan(NamedTuple):
     return (self.micro_batch_size,) * self.num_full + ((self.remainder,) if self.remainder else ())
 
   def describe(self) -> str:
-    """A short human-readable summary, e.g. ``'batch 10 = 3 x 3 + 1'``."""
-    return f'batch {self.batch_size} = {self.describe_cuts()}'
+    """A short human-readable summary, e.g. ``'batch 10 = 3 x 3 + 1'`` (and the plan's remat, if any)."""
+    remat = f', remat {describe_remat(self.remat)}' if self.remat else ''
+    return f'batch {self.batch_size} = {self.describe_cuts()}{remat}'
 
   def describe_cuts(self) -> str:
     """The micro-batches alone, e.g. ``'3 x 3 + 1'``."""
     return f'{self.num_full} x {self.micro_batch_size}' + (f' + {self.remainder}' if self.remainder else '')
+
+
+def describe_remat(remat: Union[bool, int, None]) -> str:
+  """``'none'``, ``'every sqrt(T) steps'`` (``remat=True``) or ``'every 7 steps'`` (``remat=7``)."""
+  if not remat:
+    return 'none'
+  return 'every sqrt(T) steps' if remat is True else f'every {remat} steps'
 
 
 def check_positive_int(name: str, value, fix: str) -> int:
@@ -96,7 +109,7 @@ def plan_micro_batches(
   --------
   >>> from brainpy_accum import plan_micro_batches
   >>> plan_micro_batches(10, num_micro_batch=4)
-  MicroBatchPlan(batch_size=10, micro_batch_size=3, num_full=3, remainder=1)
+  MicroBatchPlan(batch_size=10, micro_batch_size=3, num_full=3, remainder=1, remat=None)
   >>> plan_micro_batches(3, num_micro_batch=4).sizes
   (1, 1, 1)
   >>> plan_micro_batches(10, micro_batch_size=4).describe()

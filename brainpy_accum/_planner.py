@@ -9,10 +9,10 @@ whose compiled step fits the budget. The memory of a compiled step is
 """
 
 import re
-from typing import Callable, List, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 __all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes',
-           'choose_micro_batch_size']
+           'largest_fitting', 'choose_micro_batch_size']
 
 _UNITS = {'': 1, 'B': 1, 'KB': 10 ** 3, 'MB': 10 ** 6, 'GB': 10 ** 9, 'TB': 10 ** 12,
           'KIB': 2 ** 10, 'MIB': 2 ** 20, 'GIB': 2 ** 30, 'TIB': 2 ** 40}
@@ -76,6 +76,30 @@ def candidate_micro_batch_sizes(batch_size: int) -> List[int]:
   return sorted({-(-batch_size // n) for n in range(1, batch_size + 1)}, reverse=True)
 
 
+def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], int]) -> Optional[Tuple[int, int]]:
+  """``(size, bytes)`` of the largest of ``sizes`` (largest first) whose ``measure`` fits ``budget``, or ``None``.
+
+  Binary search, assuming memory grows with the size: the smallest size is
+  measured first, then about ``log2(len(sizes))`` more.
+  """
+  measured = {}
+
+  def fits(i):
+    measured[sizes[i]] = measure(sizes[i])
+    return measured[sizes[i]] <= budget
+
+  low, high = 0, len(sizes) - 1
+  if not fits(high):
+    return None
+  while low < high:
+    middle = (low + high) // 2
+    if fits(middle):
+      high = middle
+    else:
+      low = middle + 1
+  return sizes[low], measured[sizes[low]]
+
+
 def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int], int]) -> Tuple[int, int]:
   """Return ``(micro_batch_size, bytes)``: the largest candidate whose ``measure`` fits ``budget``.
 
@@ -87,22 +111,16 @@ def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int
   ValueError
     If even one sample per micro-batch does not fit, naming the smallest figure that would.
   """
-  sizes = candidate_micro_batch_sizes(batch_size)
   measured = {}
 
-  def fits(i):
-    measured[sizes[i]] = measure(sizes[i])
-    return measured[sizes[i]] <= budget
+  def measure_recorded(size):
+    measured[size] = measure(size)
+    return measured[size]
 
-  low, high = 0, len(sizes) - 1
-  if not fits(high):
+  found = largest_fitting(candidate_micro_batch_sizes(batch_size), budget, measure_recorded)
+  if found is None:
+    need = measured[1]
     raise ValueError(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
-                     f'one sample need {format_memory(measured[1])} ({measured[1]} bytes) for a batch of '
-                     f'{batch_size}. Raise memory_budget to at least {measured[1]}, or use remat=True.')
-  while low < high:
-    middle = (low + high) // 2
-    if fits(middle):
-      high = middle
-    else:
-      low = middle + 1
-  return sizes[low], measured[sizes[low]]
+                     f'one sample need {format_memory(need)} ({need} bytes) for a batch of '
+                     f'{batch_size}. Raise memory_budget to at least {need}, or use remat=True.')
+  return found

@@ -8,7 +8,9 @@ that check a batch and place the Variables on the mesh.
 
 import contextlib
 import functools
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import jax
 
 import brainpy.math as bm
 from brainpy import tools
@@ -20,6 +22,7 @@ from ._mesh import batch_spec, check_divisible, mesh_size, place, random_states
 from ._oom import finer_plan
 from ._plan import MicroBatchPlan, plan_micro_batches
 from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory
+from ._time_planner import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ._states import batched_variables
 
 __all__ = ['Planning']
@@ -27,6 +30,9 @@ __all__ = ['Planning']
 
 class Planning:
   """How :class:`~brainpy_accum.AccumBPTT` cuts, places, measures and compiles a batch (a mixin)."""
+
+  # With remat='auto' each batch size has its own remat, read while its step is traced (see _remat_in_effect).
+  _plan_in_trace: Optional[MicroBatchPlan] = None
 
   def plan_for(self, batch_size: int) -> MicroBatchPlan:
     """The micro-batches that a batch of ``batch_size`` samples is cut into.
@@ -56,8 +62,8 @@ class Planning:
 
   def _replan_finer(self, batch_size: int) -> str:
     """After the device ran out of memory: twice the micro-batches for ``batch_size``, steps traced anew."""
-    before = self.describe_batch(batch_size)
-    self._finer_plans[batch_size] = finer_plan(self.plan_for(batch_size))
+    before, plan = self.describe_batch(batch_size), self.plan_for(batch_size)
+    self._finer_plans[batch_size] = finer_plan(plan)._replace(remat=plan.remat)
     self._jit_steps()
     return f'{before} now runs as {self.describe_batch(batch_size)}'
 
@@ -124,13 +130,24 @@ class Planning:
       return plan.describe()
     return f'batch {batch_size} = {self.num_devices} devices x ({plan.describe_cuts()})'
 
-  def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None) -> MicroBatchPlan:
+  def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None, *,
+                  step_time: Optional[Callable[[Sequence[MicroBatchPlan]], Sequence[float]]] = None
+                  ) -> MicroBatchPlan:
     """Choose and cache the fewest micro-batches whose compiled train step fits ``memory_budget``.
 
     Each candidate micro-batch size is compiled ahead of time and measured
     with XLA's memory analysis; no step runs and nothing changes but the
     cached choice, which is printed and kept in :attr:`memory_plans` as
     ``{batch_size: (plan, bytes)}``.
+
+    With ``remat='auto'`` the choice is the fastest plan that fits instead:
+    for remat off and remat every ``sqrt(T)`` steps, the largest micro-batch
+    that fits and two finer cuts are compiled, and the fitting ones are timed
+    with trial steps on this batch (the compiled step run on the current
+    Variable values, its results discarded: no Variable or random key
+    changes). The candidates and the reason are printed; the plan's
+    :attr:`~MicroBatchPlan.remat` is used when the step is traced.
+    ``step_time(plans) -> seconds`` replaces the trial steps (e.g. a cost model).
 
     Raises
     ------
@@ -161,18 +178,74 @@ class Planning:
       measure = lambda size: self.compiled_step_bytes(
         plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets)
       try:
-        size, used = choose_micro_batch_size(share, self.memory_budget, measure)
+        if self.remat == 'auto':
+          size, used, remat = self._plan_fastest(share, shared_args, inputs, targets, step_time)
+        else:
+          (size, used), remat = choose_micro_batch_size(share, self.memory_budget, measure), None
       except ValueError as error:
         if self.mesh is None:
           raise
         raise ValueError(f'{error} With the mesh, each of the {self.num_devices} devices holds {share} samples of '
                          f'the batch of {batch_size}, and memory_budget is per device.') from None
-      plan = plan_micro_batches(share, micro_batch_size=size)
+      plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
       self.memory_plans[batch_size] = (plan, used)
       per_device = '' if self.mesh is None else ' per device'
       tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plan.num_micro_batches} micro-batches), '
                  f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}')
     return self.memory_plans[batch_size][0]
+
+  def _plan_fastest(self, share: int, shared_args, inputs, targets, step_time) -> Tuple[int, int, Union[bool, int]]:
+    """``remat='auto'``: ``(micro_batch_size, bytes, remat)`` of the fastest plan that fits, its table printed."""
+    compiled = {}
+
+    def compile_(size, remat):
+      if (size, remat) not in compiled:
+        plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+        compiled[size, remat] = self._compile_trial(plan, shared_args, inputs, targets)
+      return compiled[size, remat]
+
+    def timed(pairs):
+      if step_time is not None:
+        return step_time([plan_micro_batches(share, micro_batch_size=s)._replace(remat=r) for s, r in pairs])
+      return time_steps([compile_(*pair)[1] for pair in pairs])
+
+    chosen, weighed = choose_fastest_plan(share, self.memory_budget,
+                                          lambda size, remat: compiled_step_bytes(compile_(size, remat)[0]), timed)
+    self.weighed_plans[share] = weighed
+    tqdm.write(describe_choice(share, self.memory_budget, chosen, weighed))
+    return chosen.micro_batch_size, chosen.bytes, chosen.remat
+
+  @property
+  def weighed_plans(self) -> Dict[int, List[Candidate]]:
+    """With ``remat='auto'``: every candidate plan weighed for each batch size (per device with a mesh),
+    with its memory and trial step time, as :meth:`plan_memory` printed them."""
+    return self.__dict__.setdefault('_weighed_plans', {})
+
+  def _compile_trial(self, plan: MicroBatchPlan, shared_args, inputs, targets):
+    """The train step compiled for ``plan``, and a trial run of it: the executable called on the current
+    Variable values with its new values dropped, so that nothing (parameters, optimizer, random keys) changes."""
+    step = bm.jit(functools.partial(self._train_step, plan=plan), static_argnums=(0,))
+    with self._without_time_step_bars(), self._tracing(plan):
+      values = step.stateful_fun.get_state_trace(shared_args, inputs, targets, compile_if_miss=True).get_state_values()
+      compiled = step.jitted_fun.lower(values, shared_args, inputs, targets).compile()
+    return compiled, lambda: jax.block_until_ready(compiled(values, inputs, targets))
+
+  @contextlib.contextmanager
+  def _tracing(self, plan: Optional[MicroBatchPlan]):
+    """Trace a step for ``plan``: its remat is the one :meth:`_remat_in_effect` gives inside."""
+    outer, self._plan_in_trace = self._plan_in_trace, plan or self._plan_in_trace
+    try:
+      yield
+    finally:
+      self._plan_in_trace = outer
+
+  def _remat_in_effect(self) -> Union[bool, int]:
+    """The remat of the step being traced: the ``remat`` option, or with ``'auto'`` that of the plan being
+    traced (:meth:`_tracing`). Outside a planned step (e.g. ``predict``): no remat."""
+    if self.remat != 'auto':
+      return self.remat
+    plan = self._plan_in_trace
+    return plan.remat if plan is not None and plan.remat else False
 
   def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets) -> int:
     """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
@@ -210,7 +283,7 @@ class Planning:
     """
     shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
     step = bm.jit(functools.partial(self._train_step, plan=plan, update=update), static_argnums=(0,))
-    with self._without_time_step_bars():
+    with self._without_time_step_bars(), self._tracing(plan):
       return step.compile(shared_args, inputs, targets)
 
   @contextlib.contextmanager

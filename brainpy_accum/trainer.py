@@ -73,7 +73,9 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     ``ceil(batch_size / num_micro_batch)`` samples. Give this or ``micro_batch_size``;
     with neither, each batch runs whole (``1``), exactly as in :class:`brainpy.BPTT`.
     ``'auto'`` picks, for each batch size, the fewest micro-batches whose
-    compiled train step fits ``memory_budget`` (see :meth:`plan_memory`).
+    compiled train step fits ``memory_budget`` (see :meth:`plan_memory`);
+    with ``remat='auto'`` as well, the fastest (micro-batches, remat) plan
+    that fits instead.
   micro_batch_size : int, optional
     Cut each batch into micro-batches of this many samples (the last one may
     be shorter). Give this or ``num_micro_batch``.
@@ -115,6 +117,10 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     backward pass keeps one model state per segment instead of every step's
     activations (about one extra forward pass of compute; same gradients).
     ``False`` (default) stores every step, as :class:`brainpy.BPTT` does.
+    ``'auto'`` (with ``num_micro_batch='auto'`` and ``memory_budget``) lets
+    the planner choose per batch size between remat and more micro-batches:
+    it compiles the candidates, times a few trial steps of each that fits
+    (changing nothing), prints them, and keeps the fastest.
   mesh : jax.sharding.Mesh, optional
     Data parallelism: every batch is split along its batch axis over the
     devices of ``mesh_axis`` (contiguous shares of ``batch_size / D``
@@ -190,7 +196,7 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
       grad_reduction: str = 'mean',
       target_batch_axis: Optional[int] = None,
       memory_budget: Union[int, str, None] = None,
-      remat: Union[bool, int] = False,
+      remat: Union[bool, int, str] = False,
       accumulate_steps: Union[int, Dict[int, int]] = 1,
       loss_weight_fn: Optional[Callable] = None,
       clip_grad_norm: Optional[float] = None,
@@ -201,11 +207,14 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
       **kwargs,
   ):
     self.mesh_axis = check_mesh(mesh, mesh_axis)
+    if remat == 'auto' and mesh is not None:
+      raise ValueError("remat='auto' is not supported with a mesh (its trial steps run unsharded): choose remat=True "
+                       "or False with mesh=..., or drop the mesh.")
     check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps)
     if num_micro_batch is None and micro_batch_size is None:
       num_micro_batch = 1  # no option: bp.BPTT's whole-batch step
     check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
-    check_remat(remat)
+    check_remat(remat, num_micro_batch, memory_budget)
     check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite)
     self.accumulate_steps = check_accumulate_steps(accumulate_steps)
     super().__init__(target, loss_fun, optimizer=optimizer, **kwargs)
@@ -352,7 +361,8 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     micro_fn = micro_step(self._loss_and_aux, shared_args, params, self._weigh)
     two_passes = self._two_passes(shared_args, targets, params) if self.whole_batch_loss else None
     axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
-    with whole_batch_variables(self.target, layout.batch_size, whole=not (alone and plan.num_micro_batches == 1)) as states:
+    with whole_batch_variables(self.target, layout.batch_size, whole=not (alone and plan.num_micro_batches == 1)) as states, \
+         self._tracing(plan):  # remat='auto': this plan's remat in the traced time loop
       sums_of = functools.partial(batch_sums, micro_fn, axes=axes, plan=plan, states=states, params=params,
                                   alone=alone, two_passes=two_passes)
       finish = functools.partial(settle, reduction=self.grad_reduction, skip_nonfinite=self.skip_nonfinite and
