@@ -12,7 +12,10 @@ import itertools
 import os
 from typing import Any, Callable, Dict, NamedTuple, Optional, Sized, Tuple, cast
 
+import brainpy.math as bm
 import brainstate.environ
+import jax
+import jax.numpy as jnp
 from brainpy import tools
 from tqdm import tqdm
 
@@ -21,6 +24,8 @@ from ._checks import check_data, check_fit_args
 from ._compiles import count_compilations
 from ._report import PhaseLog
 from ._oom import run_with_retry
+from ._states import batched_variables, declared_batch_axes
+from ._stream import chunk_sizes, combine, host_chunk
 from ._resume import Interrupted, Progress, StopRequest, act_on, check_checkpoint_args, deferred_signals
 from ._window import steps_for_epoch, with_last_flag
 
@@ -146,16 +151,15 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
       trainer._place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
       if trainer.num_micro_batch == 'auto':
         trainer.plan_memory(inputs, targets, options.shared_args)
-      if phase == 'fit':
-        trainer._check_loss_once(options.shared_args, inputs, targets)  # once per trainer, changes nothing
       update = last or (position + 1) % window == 0
-      result, compiles = run_with_retry(  # out of device memory: the same batch again, cut finer
-        lambda: _call_step(trainer, phase, update, options.shared_args, inputs, targets),
-        lambda error: trainer._replan_finer(layout.batch_size))
-      step_phase = 'fit' if phase == 'fit' else 'loss'
-      if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
-        trainer._note_compilations(step_phase, compiles)
-      loss, aux = _split_result(trainer, phase, result)
+      chunk = trainer.stream_chunks.get(layout.batch_size)
+      if chunk is None:
+        if phase == 'fit':
+          trainer._check_loss_once(options.shared_args, inputs, targets)  # once per trainer, changes nothing
+        loss, aux = _run_step(trainer, phase, _step_kind(trainer, phase, update), options, inputs, targets,
+                              layout.batch_size)
+      else:
+        loss, aux = _run_streamed(trainer, phase, update, options, inputs, targets, layout, chunk)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
       if phase == 'fit':
         run.batch_trained(update)
@@ -182,22 +186,78 @@ def _pair(phase: str, position: int, batch) -> Tuple[Any, Any]:
   return batch[0], batch[1]
 
 
-def _call_step(trainer, phase: str, update: bool, shared_args, inputs, targets):
+def _step_kind(trainer, phase: str, update: bool, streamed: bool = False) -> str:
+  """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or the ``accumulate_steps``
+  window's update), ``'collect'`` (into the window, no update) or ``'close'`` (a streamed batch's last chunk)."""
+  if phase != 'fit':
+    return 'loss'
+  if not update:
+    return 'collect'
+  return 'close' if streamed and trainer.accumulate_steps == 1 else 'fit'
+
+
+def _run_step(trainer, phase: str, kind: str, options: LoopOptions, inputs, targets, batch_size: int):
+  """Run one compiled step (again, cut finer, after running out of device memory); its ``(loss, aux)``."""
+  result, compiles = run_with_retry(
+    lambda: _call_step(trainer, kind, options.shared_args, inputs, targets),
+    lambda error: trainer._replan_finer(batch_size))
+  step_phase = 'fit' if phase == 'fit' else 'loss'
+  if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
+    trainer._note_compilations(step_phase, compiles)
+  return _split_result(trainer, phase, result)
+
+
+def _run_streamed(trainer, phase: str, update: bool, options: LoopOptions, inputs, targets, layout, chunk: int):
+  """A batch streamed from the host (:mod:`._stream`): each chunk's sums into the window, the last updates.
+
+  Each chunk starts from its samples' slice of the whole batch's model state (reset at the batch size, as
+  ``bp.BPTT`` resets it, so random initial states are the same draws) and writes its final state back.
+  """
+  states = batched_variables(trainer.target, layout.batch_size)
+  whole = {name: _all_samples(var, axis, layout.batch_size) for name, (var, axis) in states.items()}
+  sizes, results, weights, start = chunk_sizes(layout.batch_size, chunk), [], [], 0
+  with declared_batch_axes(states.values()):
+    for i, size in enumerate(sizes):
+      x = host_chunk(inputs, layout.input_axes, start, size)
+      y = host_chunk(targets, layout.target_axes, start, size)
+      for name, (var, axis) in states.items():
+        var.value = jax.lax.slice_in_dim(whole[name], start, start + size, axis=axis)
+      trainer.plan_memory(x, y, options.shared_args)  # the shorter last chunk has its own plan
+      if phase == 'fit' and i == 0:
+        trainer._check_loss_once(options.shared_args, x, y)
+      kind = _step_kind(trainer, phase, update and i == len(sizes) - 1, streamed=True)
+      results.append(_run_step(trainer, phase, kind, options, x, y, size))
+      weights.append(size if trainer.loss_weight_fn is None else float(trainer.loss_weight_fn(x, y)))
+      for name, (var, axis) in states.items():
+        whole[name] = jax.lax.dynamic_update_slice_in_dim(whole[name], bm.as_jax(var.value), start, axis=axis)
+      start += size
+    for name, (var, axis) in states.items():
+      var.value = whole[name]
+  return combine(results, weights, trainer.grad_reduction)
+
+
+def _all_samples(var, axis: int, batch_size: int):
+  """The Variable's value with every sample of the batch (a single sample repeated, as a step broadcasts it)."""
+  value = bm.as_jax(var.value)
+  return value if value.shape[axis] == batch_size else jnp.repeat(value, batch_size, axis=axis)
+
+
+def _call_step(trainer, kind: str, shared_args, inputs, targets):
   """Run the compiled step for this batch; return its result and the XLA compilations it caused."""
-  step = _step_for(trainer, phase, update)
+  step = {'loss': trainer.f_loss, 'fit': trainer.f_train, 'collect': trainer._f_collect,
+          'close': trainer._f_close}[kind]
   with count_compilations() as compiled:
     result = step(shared_args, inputs, targets)
   return result, compiled()
 
 
-def _step_for(trainer, phase: str, update: bool):
-  if phase != 'fit':
-    return trainer.f_loss
-  return trainer.f_train if update else trainer._f_collect
-
-
 def _describe(trainer, batch_size: int, window: int) -> str:
-  text = trainer.describe_batch(batch_size)
+  chunk = trainer.stream_chunks.get(batch_size)
+  if chunk is None:
+    text = trainer.describe_batch(batch_size)
+  else:
+    text = (f'batch {batch_size} streamed in {len(chunk_sizes(batch_size, chunk))} chunks of '
+            f'{trainer.describe_batch(chunk).replace("batch ", "", 1)}')
   return text + (f', {window} batches per update' if window > 1 else '')
 
 

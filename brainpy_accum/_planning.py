@@ -22,6 +22,7 @@ from ._mesh import batch_spec, check_divisible, mesh_size, place, random_states
 from ._oom import finer_plan
 from ._plan import MicroBatchPlan, plan_micro_batches
 from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory
+from ._stream import chunk_candidates, host_chunk
 from ._time_planner import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ._states import batched_variables
 
@@ -172,27 +173,76 @@ class Planning:
       raise ValueError(f"plan_memory needs num_micro_batch='auto'; this trainer has "
                        f"num_micro_batch={self.num_micro_batch!r}, micro_batch_size={self.micro_batch_size!r}.")
     layout = self._check_batch(inputs, targets)
-    batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
+    batch_size = layout.batch_size
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    if batch_size in self.stream_chunks:
+      return self.memory_plans[self.stream_chunks[batch_size]][0]
     if batch_size not in self.memory_plans:
-      shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-      measure = lambda size: self.compiled_step_bytes(
-        plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets)
       try:
-        if self.remat == 'auto':
-          size, used, remat = self._plan_fastest(share, shared_args, inputs, targets, step_time)
-        else:
-          (size, used), remat = choose_micro_batch_size(share, self.memory_budget, measure), None
+        self._plan_batch(layout, shared_args, inputs, targets, step_time)
       except ValueError as error:
-        if self.mesh is None:
+        if not self._may_stream or batch_size == 1:
           raise
-        raise ValueError(f'{error} With the mesh, each of the {self.num_devices} devices holds {share} samples of '
-                         f'the batch of {batch_size}, and memory_budget is per device.') from None
-      plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
-      self.memory_plans[batch_size] = (plan, used)
-      per_device = '' if self.mesh is None else ' per device'
-      tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plan.num_micro_batches} micro-batches), '
-                 f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}')
+        return self._plan_stream(layout, shared_args, inputs, targets, step_time, error)
     return self.memory_plans[batch_size][0]
+
+  def _plan_batch(self, layout, shared_args, inputs, targets, step_time, via_window: bool = False) -> None:
+    """Plan one batch (or streamed chunk) whose step holds all of it; raises ``ValueError`` if none fits."""
+    batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
+    measure = lambda size: self.compiled_step_bytes(
+      plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets, via_window=via_window)
+    try:
+      if self.remat == 'auto':
+        size, used, remat = self._plan_fastest(share, shared_args, inputs, targets, step_time)
+      else:
+        (size, used), remat = choose_micro_batch_size(share, self.memory_budget, measure), None
+    except ValueError as error:
+      if self.mesh is None:
+        raise
+      raise ValueError(f'{error} With the mesh, each of the {self.num_devices} devices holds {share} samples of '
+                       f'the batch of {batch_size}, and memory_budget is per device.') from None
+    plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+    self.memory_plans[batch_size] = (plan, used)
+    per_device = '' if self.mesh is None else ' per device'
+    tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plan.num_micro_batches} micro-batches), '
+               f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}')
+
+  def _plan_stream(self, layout, shared_args, inputs, targets, step_time, error: ValueError) -> MicroBatchPlan:
+    """The batch's data does not fit beside its step: stream it from the host in chunks (:mod:`._stream`).
+
+    Of the chunk sizes whose step fits, the one with the largest micro-batches (the fewest sequential
+    micro-batch steps per batch), then the largest chunk (the fewest transfers). Chunks are tried largest
+    first; the search stops at a chunk that runs as one micro-batch, since smaller chunks cannot do better.
+    """
+    batch_size = layout.batch_size
+    variables = list(self.vars().unique().values()) + random_states(self.target)
+    saved = [v.value for v in variables]  # resets draw random numbers: all is put back as it was
+    fitting = []
+    try:
+      for chunk in chunk_candidates(batch_size):
+        chunk_data = [host_chunk(tree, axes, 0, chunk) for tree, axes in
+                      ((inputs, layout.input_axes), (targets, layout.target_axes))]
+        if chunk not in self.memory_plans:
+          self.target.reset(chunk)  # the chunk's step takes the model state at the chunk's size
+          try:
+            self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, via_window=True)
+          except ValueError:
+            continue
+        fitting.append(chunk)
+        if self.memory_plans[chunk][0].num_micro_batches == 1:
+          break
+    finally:
+      for var, value in zip(variables, saved):
+        var._value = value
+    if not fitting:
+      raise error
+    chunk = max(fitting, key=lambda c: (self.memory_plans[c][0].micro_batch_size, c))
+    self.stream_chunks[batch_size] = chunk
+    plan, used = self.memory_plans[chunk]
+    tqdm.write(f'memory plan: batch {batch_size} does not fit memory_budget {format_memory(self.memory_budget)} '
+               f'with its data on the device; streamed from the host in chunks of {chunk} '
+               f'({plan.describe()}, train step {format_memory(used)}), one update per batch')
+    return plan
 
   def _plan_fastest(self, share: int, shared_args, inputs, targets, step_time) -> Tuple[int, int, Union[bool, int]]:
     """``remat='auto'``: ``(micro_batch_size, bytes, remat)`` of the fastest plan that fits, its table printed."""
@@ -247,17 +297,17 @@ class Planning:
     plan = self._plan_in_trace
     return plan.remat if plan is not None and plan.remat else False
 
-  def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets) -> int:
+  def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
     """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
 
     The model state enters at its current size, as :meth:`fit` leaves it before a step
     (reset at the batch size); nothing is executed and nothing changes. With a
     mesh the figure is per device.
     """
-    return compiled_step_bytes(self.compile_step(inputs, targets, shared_args, plan=plan))
+    return compiled_step_bytes(self.compile_step(inputs, targets, shared_args, plan=plan, via_window=via_window))
 
   def compile_step(self, inputs, targets, shared_args: Optional[Dict] = None,
-                   plan: Optional[MicroBatchPlan] = None, update: bool = True):
+                   plan: Optional[MicroBatchPlan] = None, update: bool = True, via_window: bool = False):
     """The train step for this batch shape, compiled ahead of time by XLA; nothing runs, nothing changes.
 
     Returns JAX's compiled object: ``memory_analysis()`` gives its memory
@@ -266,7 +316,8 @@ class Planning:
     state enters at its current size: call ``model.reset(batch_size)`` first,
     as :meth:`fit` does. ``plan`` overrides the trainer's micro-batch plan;
     ``update=False`` compiles the step that only adds a batch to the
-    ``accumulate_steps`` window.
+    ``accumulate_steps`` window; ``via_window=True`` the step that passes its
+    gradient through the window (that of a streamed batch's last chunk).
 
     Examples
     --------
@@ -282,7 +333,8 @@ class Planning:
     True
     """
     shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update), static_argnums=(0,))
+    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update, via_window=via_window),
+                  static_argnums=(0,))
     with self._without_time_step_bars(), self._tracing(plan):
       return step.compile(shared_args, inputs, targets)
 

@@ -90,6 +90,9 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     to axis 0 for leaves whose preferred axis does not hold the batch.
   memory_budget : int or str, optional
     With ``num_micro_batch='auto'``: bytes, or a string like ``'512MiB'`` or ``'2GiB'``.
+    A batch whose data does not fit beside its step even at one sample per
+    micro-batch is streamed from the host in chunks that fit, still with one
+    optimizer update per batch (no mesh, default loss mode; :attr:`stream_chunks`).
   accumulate_steps : int or dict
     Also accumulate across batches: one optimizer update every ``k`` batches
     of the data iterator (and at the last batch of each epoch), weighted by
@@ -167,6 +170,9 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     How many times the train step (``'fit'``) and the evaluation step
     (``'loss'``) were traced: one per distinct batch shape when jitted.
     :attr:`compilations` counts the XLA executables behind them.
+  stream_chunks : dict
+    ``{batch_size: chunk_size}`` of the batch sizes streamed from the host
+    (see ``memory_budget``); empty when every batch fits with its data.
 
   Examples
   --------
@@ -232,8 +238,8 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     """The counters, the ``accumulate_steps`` window and the jitted steps besides bp.BPTT's train step."""
     self.skipped_steps = bm.Variable(jnp.zeros((), jnp.int32))
     copies = None if self.mesh is None else self.num_devices
-    window = self.accumulate_steps != 1
-    self._window = GradWindow(self.target.train_vars().unique(), copies) if window else None
+    self._window = GradWindow(self.target.train_vars().unique(), copies) if self._needs_window else None
+    self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
     self.trace_counts = {'fit': 0, 'loss': 0}
     self._finer_plans: Dict[int, MicroBatchPlan] = {}  # batch sizes re-planned after running out of memory
     self._compilations = {'fit': 0, 'loss': 0}
@@ -244,6 +250,17 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     self._jit_step_func_fit = bm.jit(self._step_func_fit, static_argnums=(0,))
     self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
     self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
+    self._jit_step_func_close = bm.jit(self._step_func_close, static_argnums=(0,))
+
+  @property
+  def _needs_window(self) -> bool:
+    """Running sums between steps: for ``accumulate_steps``, or for streaming batches larger than the device."""
+    return self.accumulate_steps != 1 or self._may_stream
+
+  @property
+  def _may_stream(self) -> bool:
+    return self.num_micro_batch == 'auto' and self.memory_budget is not None and self.mesh is None \
+        and not self.whole_batch_loss
 
   def __repr__(self):
     return (f'{self.__class__.__name__}(target={self.target}, num_micro_batch={self.num_micro_batch}, '
@@ -329,17 +346,29 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     self.trace_counts['fit'] += 1
     return self._train_step(shared_args, inputs, targets)
 
+  @property
+  def _f_close(self):
+    """The train step that adds a batch's last streamed chunk to the window and updates from the window."""
+    return self._jit_step_func_close if self.jit[c.FIT_PHASE] else self._step_func_close
+
   def _step_func_collect(self, shared_args, inputs, targets):
     self.trace_counts['fit'] += 1
-    return self._train_step(shared_args, inputs, targets, update=False)
+    return self._train_step(shared_args, inputs, targets, update=False, via_window=True)
+
+  def _step_func_close(self, shared_args, inputs, targets):
+    self.trace_counts['fit'] += 1
+    return self._train_step(shared_args, inputs, targets, via_window=True)
 
   def _step_func_eval(self, shared_args, inputs, targets):
     self.trace_counts['loss'] += 1
     done = self._run_batch(shared_args, inputs, targets, with_grads=False)
     return (done.loss, done.aux) if self.loss_has_aux else done.loss
 
-  def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True):
-    done = self._run_batch(shared_args, inputs, targets, with_grads=True, update=update, plan=plan)
+  def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True,
+                  via_window: bool = False):
+    via_window = via_window or self.accumulate_steps != 1
+    done = self._run_batch(shared_args, inputs, targets, with_grads=True, update=update, plan=plan,
+                           via_window=via_window)
     if done.finite is not None:
       self.skipped_steps.value += jnp.where(done.finite, 0, 1).astype(self.skipped_steps.dtype)
     if done.grads is not None:
@@ -351,11 +380,11 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     return (done.loss, done.aux) if self.loss_has_aux else (done.loss,)
 
   def _run_batch(self, shared_args, inputs, targets, with_grads: bool, update: bool = True,
-                 plan: Optional[MicroBatchPlan] = None) -> Settled:
+                 plan: Optional[MicroBatchPlan] = None, via_window: bool = False) -> Settled:
     """One batch through :mod:`._step`: this device's sums, then settled (on a mesh: in ``shard_map``)."""
     layout = self._check_batch(inputs, targets)
     plan = plan or self.plan_for(layout.batch_size)
-    window = self._window if with_grads else None
+    window = self._window if with_grads and via_window else None
     alone = self.mesh is None and window is None
     params = self.target.train_vars().unique() if with_grads else None
     micro_fn = micro_step(self._loss_and_aux, shared_args, params, self._weigh)
