@@ -1,24 +1,52 @@
 """The benchmark and soak scripts run (tiny sizes); their figures live in docs/, not in assertions on speed."""
 
+import json
+
+import pytest
+
+from brainpy_accum.bench import __main__ as bench_main
 from brainpy_accum.bench import soak
-from brainpy_accum.bench.measure import largest_batch_within, measure
-from brainpy_accum.bench.report import markdown_report
+from brainpy_accum.bench.measure import largest_batch_within, measure_all, per_round_ratio, time_in_rounds
+from brainpy_accum.bench.methods import Step
+from brainpy_accum.bench.report import markdown_report, plot
 from brainpy_accum.bench.workloads import Shape
 
 TINY = Shape(batch=16, time=6, hidden=8, inputs=4)
 
 
-def test_every_method_measures_and_reports():
-  configs = [dict(method='bptt', num_micro_batch=1), dict(method='accum', num_micro_batch=4),
-             dict(method='accum', num_micro_batch=4, remat=True), dict(method='recipe', num_micro_batch=4),
-             dict(method='jax', num_micro_batch=4)]
-  results = [measure(dict(c, workload='snn', shape=list(TINY)), steps=1) for c in configs]
+def test_every_method_measures_and_reports(tmp_path):
+  configs = [dict(method='bptt', num_micro_batch=1), dict(method='accum', num_micro_batch=2),
+             dict(method='accum', num_micro_batch=2, remat=True), dict(method='recipe', num_micro_batch=2),
+             dict(method='jax', num_micro_batch=2)]
+  results = measure_all([dict(c, workload='snn', shape=list(TINY)) for c in configs], rounds=2)
   for r in results:
-    assert r['compilations'] == 1 and r['memory']['temp'] > 0 and r['step_s'] > 0
-  # Memory is deterministic: four micro-batches need less working memory than the whole batch.
+    assert r['compilations'] == 1 and r['memory']['temp'] > 0 and len(r['step_times']) == 2
+  # Memory is deterministic: two micro-batches need less working memory than the whole batch.
   assert results[1]['memory']['temp'] < results[0]['memory']['temp']
   text = markdown_report(results, {'snn': {'bptt': 8, 'accum N=4': 32}}, '# Benchmark')
-  assert '| AccumBPTT | 4 | 4 |' in text and 'Targets:' in text
+  assert '| AccumBPTT | 2 | 8 |' in text and 'Targets:' in text
+  assert '| 2 | ' in text.split('medians of per-round ratios')[1]  # the ratios table has its N=2 row
+  path = tmp_path / 'plans.png'
+  plot(results, str(path), picks=[dict(workload='snn', num_micro_batch=2, remat=True, label='planner')])
+  assert path.stat().st_size > 0
+
+
+def test_rounds_alternate_order_and_ratios_are_per_round():
+  calls = []
+  steps = [Step(lambda i=i: calls.append(i), lambda: None, lambda: 1) for i in range(3)]
+  times = time_in_rounds(steps, rounds=2)
+  assert calls == [0, 1, 2, 0, 1, 2, 2, 1, 0] and [len(t) for t in times] == [2, 2, 2]
+  # A round twice as slow for both sides leaves the ratio alone; a ratio of medians would not.
+  assert per_round_ratio([1., 2., 4.], [1., 2., 2.]) == 1.
+
+
+def test_quick_run_writes_report_json_and_figure(tmp_path):
+  bench_main.main(['--quick', '--workloads', 'rnn', '--rounds', '1', '--parts', 'steps', '--out', str(tmp_path)])
+  text = (tmp_path / 'benchmark.md').read_text()
+  assert 'load average' in text and 'brainstate' in text and 'AccumBPTT / plain JAX + optax at N=2' in text
+  assert len(json.loads((tmp_path / 'benchmark.json').read_text())['results']) == len(
+    bench_main.configs('rnn', bench_main.QUICK, quick=True))
+  assert (tmp_path / 'benchmark.png').stat().st_size > 0
 
 
 def test_largest_batch_grows_with_micro_batches():
@@ -32,3 +60,13 @@ def test_soak_runs_without_recompiling(capsys):
   growth = soak.main(['--steps', '300', '--warmup', '100', '--every', '100'])
   assert 'XLA compilations of the train step: 2' in capsys.readouterr().out
   assert growth < 0.05  # the soak target, over a shorter run
+
+
+@pytest.mark.heavy
+def test_quick_planner_and_streaming_parts_join_the_report(tmp_path):
+  """The two other parts rerun alone, keeping the steps part from benchmark.json."""
+  bench_main.main(['--quick', '--workloads', 'rnn', '--rounds', '1', '--parts', 'steps', '--out', str(tmp_path)])
+  bench_main.main(['--quick', '--parts', 'planner', 'streaming', '--out', str(tmp_path)])
+  report = (tmp_path / 'benchmark.md').read_text()
+  assert '## rnn' in report and 'The planner: fastest plan that fits' in report and '## Streaming' in report
+  assert (tmp_path / 'benchmark_planner.png').exists()

@@ -1,4 +1,10 @@
-"""``python -m brainpy_accum.bench``: every method and N in its own subprocess; table and plot to docs/."""
+"""``python -m brainpy_accum.bench``: every plan and method in one process, timed in interleaved rounds; to docs/.
+
+Three parts, each rerunnable alone with ``--parts`` (the others are then kept from ``benchmark.json``):
+``steps`` (step time and memory of every method and plan, the largest batch within a budget),
+``planner`` (``remat='auto'`` against every plan timed, :mod:`.planner`) and ``streaming`` (a batch
+several times the budget streamed from the host, :mod:`.streaming`).
+"""
 
 import argparse
 import json
@@ -7,67 +13,134 @@ import platform
 import time
 from typing import List, Optional, Sequence
 
+import brainpy
+import brainstate
 import jax
 
 from .._planner import parse_memory
-from .measure import largest_batch_within, measure_in_subprocess
+from .measure import largest_batch_within, measure_all
+from .planner import measure_planner, planner_section, plot_planner
 from .report import markdown_report, plot
+from .streaming import streaming_section
 from .workloads import Shape
 
-FULL = Shape(batch=512, time=200, hidden=512, inputs=64)
-QUICK = Shape(batch=128, time=50, hidden=64, inputs=16)
+DEFAULT = Shape(batch=256, time=100, hidden=512, inputs=64)
+DEFAULT_NOTE = (' (half the batch and time steps of the earlier B=512, T=200: with 18 plans and methods per '
+                'workload, compiled and timed in rounds, that shape took well over 15 minutes on this shared '
+                '2-core CPU)')
+QUICK = Shape(batch=64, time=20, hidden=32, inputs=8)
+PARTS = ('steps', 'planner', 'streaming')
 
 
 def configs(workload: str, shape: Shape, quick: bool) -> List[dict]:
+  """Every plan of AccumBPTT (N micro-batches, with and without remat) and the methods it is compared with."""
   base = {'workload': workload, 'shape': list(shape)}
-  ns = (1, 2, 4) if quick else (1, 2, 4, 8, 16)
+  ns = (1, 2) if quick else (1, 2, 4, 8, 16)
+  compared = (2,) if quick else (2, 4, 8)
   out = [dict(base, method='bptt', num_micro_batch=1)]
-  out += [dict(base, method='accum', num_micro_batch=n) for n in ns]
-  out += [dict(base, method='accum', num_micro_batch=4, remat=True)]
-  out += [dict(base, method='recipe', num_micro_batch=n) for n in (4,) + (() if quick else (16,))]
-  out += [dict(base, method='jax', num_micro_batch=n) for n in (1, 4) + (() if quick else (16,))]
+  for n in ns:  # the methods compared at one N side by side, so that a round's drift hits them alike
+    out += [dict(base, method='accum', num_micro_batch=n, remat=False)]
+    out += [dict(base, method=method, num_micro_batch=n) for method in ('recipe', 'jax')
+            if n in compared or (method, n) == ('jax', 1)]
+  out += [dict(base, method='accum', num_micro_batch=n, remat=True) for n in ns]
   return out
 
 
+def _cpu_model() -> str:
+  try:
+    with open('/proc/cpuinfo') as f:
+      return next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
+  except (OSError, StopIteration):
+    return platform.processor() or platform.machine()
+
+
+def _load() -> str:
+  return ', '.join(f'{v:.2f}' for v in os.getloadavg()) if hasattr(os, 'getloadavg') else 'unknown'
+
+
+def header(args, shape: Shape, seconds: float, load_before: str) -> str:
+  quick = ' --quick' if args.quick else ''
+  return (f'# Benchmark\n\nMade by `python -m brainpy_accum.bench{quick}` (the step part in {seconds:.0f} s).\n\n'
+          f'- Machine: {_cpu_model()} ({platform.machine()}), {os.cpu_count()} cores, jax backend '
+          f'{jax.default_backend()}; load average (1, 5, 15 min) {load_before} before, {_load()} after.\n'
+          f'- Versions: Python {platform.python_version()}, brainpy {brainpy.__version__}, brainstate '
+          f'{brainstate.__version__}, jax {jax.__version__}.\n'
+          f'- Shape: batch {shape.batch}, T={shape.time}, hidden {shape.hidden}, {shape.inputs} inputs'
+          f'{"" if args.quick else DEFAULT_NOTE}. '
+          f'Adam; random inputs: this measures steps, not learning.\n'
+          f'- Speed: all configurations of a workload live in one process and run one step each per round, '
+          f'{args.rounds} rounds in alternating order after a warm-up step; "step s" is the median of the '
+          f'rounds, and every ratio is the median of per-round ratios, so the machine\'s drift cancels.\n'
+          f'- Memory: XLA\'s compile-time analysis of the train step (deterministic): temporaries, arguments, '
+          f'outputs. Largest batch' + (' (not searched with --quick)' if args.quick else '') +
+          f': bisection with ahead-of-time compilations under a {args.budget} budget (arguments + outputs + '
+          f'temporaries).')
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench', description=__doc__)
-  parser.add_argument('--quick', action='store_true', help=f'small workload {tuple(QUICK)} instead of {tuple(FULL)}')
+  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench', description=__doc__.split('\n')[0])
+  parser.add_argument('--quick', action='store_true', help=f'small workload {tuple(QUICK)} instead of {tuple(DEFAULT)}')
   parser.add_argument('--workloads', nargs='+', default=['rnn', 'snn'], choices=['rnn', 'snn'])
-  parser.add_argument('--steps', type=int, default=7, help='timed steps per configuration (median reported)')
-  parser.add_argument('--budget', default='512MiB', help='memory budget for the largest-batch search')
+  parser.add_argument('--rounds', type=int, default=None, help='interleaved timing rounds (default 11, --quick 3)')
+  parser.add_argument('--budget', default='512MiB', help='memory budget for the largest-batch search (not with --quick)')
+  parser.add_argument('--parts', nargs='+', default=list(PARTS), choices=list(PARTS),
+                      help='parts to run; the others are kept from OUT/benchmark.json')
   parser.add_argument('--out', default='docs', help='folder for benchmark.md, benchmark.png, benchmark.json')
   args = parser.parse_args(argv)
-  shape = QUICK if args.quick else FULL
-  budget = parse_memory(args.budget)
-  results, largest = [], {}
-  started = time.time()
-  for workload in args.workloads:
-    for config in configs(workload, shape, args.quick):
-      result = measure_in_subprocess(config, steps=args.steps)
-      print(f"{workload:4} {config['method']:7} N={config['num_micro_batch']:<3} remat={bool(config.get('remat'))!s:5} "
-            f"temp {result['memory']['temp'] / 2 ** 20:9.1f} MiB  step {result['step_s']:.3f} s  "
-            f"rss {result['peak_rss'] / 2 ** 20:7.0f} MiB  compilations {result['compilations']}", flush=True)
-      results.append(result)
-    sizes = {'bptt': largest_batch_within(budget, 'bptt', workload, shape)}
-    for n in (4, 8):
-      sizes[f'accum N={n}'] = largest_batch_within(budget, 'accum', workload, shape, n)
-    print(f'{workload}: largest effective batch within {args.budget}: {sizes}', flush=True)
-    largest[workload] = sizes
-  header = (f'# Benchmark\n\nMade by `python -m brainpy_accum.bench{" --quick" if args.quick else ""}` on '
-            f'{platform.machine()} CPU ({os.cpu_count()} cores), jax {jax.__version__}, in '
-            f'{time.time() - started:.0f} s. Each configuration ran in its own process: XLA compile-time '
-            f'memory analysis of the train step (deterministic), peak resident memory of that process, median '
-            f'of {args.steps} steps after one warm-up, XLA compilations of the step. Inputs are random: this '
-            f'measures steps, not learning. Largest batch: bisection with ahead-of-time compilations under a '
-            f'{args.budget} budget (arguments + outputs + temporaries).')
+  args.rounds = args.rounds or (3 if args.quick else 11)
+  shape = QUICK if args.quick else DEFAULT
   os.makedirs(args.out, exist_ok=True)
-  report = markdown_report(results, largest, header)
+  stored = os.path.join(args.out, 'benchmark.json')
+  data = {}
+  if set(args.parts) != set(PARTS) and os.path.exists(stored):
+    with open(stored) as f:
+      data = json.load(f)
+  started, load_before = time.time(), _load()
+  if 'steps' in args.parts:
+    data['results'], data['largest'] = _steps(args, shape, stored, data)
+    data['header'] = header(args, shape, time.time() - started, load_before)
+  if 'planner' in args.parts:
+    data['planner'] = measure_planner('rnn', rounds=3 if args.quick else 7,
+                                      **({'shape': QUICK._replace(time=40), 'counts': (1, 2, 4)} if args.quick else {}))
+  if 'streaming' in args.parts:
+    data['streaming'] = streaming_section('rnn', **({'shape': QUICK, 'budget': parse_memory('256KiB'),
+                                                     'stream_factor': 4} if args.quick else {}))
+  with open(stored, 'w') as f:
+    json.dump(data, f, indent=1)
+  report = markdown_report(data.get('results', []), data.get('largest', {}), data.get('header', '# Benchmark'))
+  if data.get('planner'):
+    report += '\n' + planner_section(data['planner']) + '\n\n![plans and picks](benchmark_planner.png)\n'
+    plot_planner(data['planner'], os.path.join(args.out, 'benchmark_planner.png'))
+  if data.get('streaming'):
+    report += '\n' + data['streaming'] + '\n'
   with open(os.path.join(args.out, 'benchmark.md'), 'w') as f:
     f.write(report + '\n')
-  with open(os.path.join(args.out, 'benchmark.json'), 'w') as f:
-    json.dump({'results': results, 'largest': largest}, f, indent=1)
-  plot(results, os.path.join(args.out, 'benchmark.png'))
+  if data.get('results'):
+    plot(data['results'], os.path.join(args.out, 'benchmark.png'),
+         title=f'{_cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__}, brainpy {brainpy.__version__}')
   print(report)
+
+
+def _steps(args, shape: Shape, stored: str, data: dict):
+  """The ``steps`` part: every method and plan per workload; the JSON is written after each workload."""
+  budget = parse_memory(args.budget)
+  results, largest = [], {}
+  for workload in args.workloads:
+    done = measure_all(configs(workload, shape, args.quick), rounds=args.rounds)
+    for r in done:
+      print(f"{workload:4} {r['method']:7} N={r['num_micro_batch']:<3} remat={bool(r.get('remat'))!s:5} "
+            f"temp {r['memory']['temp'] / 2 ** 20:9.1f} MiB  step {r['step_s']:.3f} s  "
+            f"compilations {r['compilations']}", flush=True)
+    results += done
+    if not args.quick:  # a dozen compilations per method: minutes, even at the quick shape
+      sizes = {'bptt': largest_batch_within(budget, 'bptt', workload, shape, precision=0.02)}
+      for n in (4, 8):
+        sizes[f'accum N={n}'] = largest_batch_within(budget, 'accum', workload, shape, n, precision=0.02)
+      print(f'{workload}: largest effective batch within {args.budget}: {sizes}', flush=True)
+      largest[workload] = sizes
+    with open(stored, 'w') as f:  # after each workload: a long run keeps its part
+      json.dump(dict(data, results=results, largest=largest), f, indent=1)
+  return results, largest
 
 
 if __name__ == '__main__':

@@ -1,18 +1,27 @@
-"""Measuring one configuration: compiled memory, step time, compilations, peak resident memory."""
+"""Measuring configurations in one process: compiled memory, and step times in interleaved rounds.
 
-import json
-import resource
+A shared machine's speed drifts by tens of percent within minutes, so timing each method in a block of
+its own compares the load of one minute with the load of the next. Instead every configuration runs one
+step per round, in alternating order (forwards, then backwards), and methods are compared by the median of
+their per-round ratios: what the load does to a round, it does to both sides of the ratio.
+"""
+
 import statistics
-import subprocess
-import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Sequence
 
 from .._planner import compiled_step_bytes
-from .methods import build_step
+from .methods import Step, build_step
 from .workloads import Shape
 
-__all__ = ['measure', 'measure_in_subprocess', 'largest_batch_within']
+__all__ = ['Prepared', 'prepare', 'time_in_rounds', 'measure_all', 'per_round_ratio', 'largest_batch_within']
+
+
+class Prepared(NamedTuple):
+  config: dict
+  step: Step
+  memory: Dict[str, int]
+  compile_s: float
 
 
 def _memory(compiled) -> Dict[str, int]:
@@ -21,40 +30,53 @@ def _memory(compiled) -> Dict[str, int]:
           'output': stats.output_size_in_bytes, 'total': compiled_step_bytes(compiled)}
 
 
-def measure(config: dict, steps: int = 5) -> dict:
-  """Compile and time one configuration in this process.
+def prepare(config: dict) -> Prepared:
+  """Build ``config``'s step and read its memory from XLA's compile-time analysis (deterministic).
 
-  ``config`` holds ``method``, ``workload``, ``shape`` (a :class:`Shape` as a
-  list), ``num_micro_batch`` and ``remat``. Step time is the median of
-  ``steps`` steps after one warm-up step.
+  ``config`` holds ``method``, ``workload``, ``shape`` (a :class:`Shape` as a list), ``num_micro_batch``
+  and ``remat``.
   """
-  shape = Shape(*config['shape'])
-  step = build_step(config['method'], config['workload'], shape, config.get('num_micro_batch', 1),
+  step = build_step(config['method'], config['workload'], Shape(*config['shape']), config.get('num_micro_batch', 1),
                     config.get('remat', False))
   start = time.perf_counter()
   memory = _memory(step.compile())
-  compile_time = time.perf_counter() - start
-  step.run()  # warm-up: the real call compiles (or reuses) the step
-  times: List[float] = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    step.run()
-    times.append(time.perf_counter() - start)
-  return {**config, 'memory': memory, 'compile_s': compile_time, 'step_s': statistics.median(times),
-          'step_times': times, 'compilations': step.compilations(),
-          'peak_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+  return Prepared(config, step, memory, time.perf_counter() - start)
 
 
-def measure_in_subprocess(config: dict, steps: int = 5, timeout: Optional[float] = None) -> dict:
-  """:func:`measure` in a fresh Python process, so that its peak resident memory is its own."""
-  code = ('import json, sys; from brainpy_accum.bench.measure import measure; '
-          f'print("RESULT" + json.dumps(measure(json.loads(sys.argv[1]), {steps})))')
-  done = subprocess.run([sys.executable, '-c', code, json.dumps(config)], capture_output=True, text=True,
-                        timeout=timeout)
-  for line in done.stdout.splitlines():
-    if line.startswith('RESULT'):
-      return json.loads(line[len('RESULT'):])
-  raise RuntimeError(f'benchmark worker failed for {config}:\n{done.stderr[-3000:]}')
+def time_in_rounds(steps: Sequence[Step], rounds: int) -> List[List[float]]:
+  """Seconds of one step of each of ``steps`` in each of ``rounds`` rounds, after one warm-up step each.
+
+  Round ``r`` runs the steps forwards when ``r`` is even and backwards when it is odd, so that no step
+  always follows the same neighbour.
+  """
+  for step in steps:
+    step.run()  # the real call compiles (or reuses) the step
+  times: List[List[float]] = [[] for _ in steps]
+  order = list(range(len(steps)))
+  for r in range(rounds):
+    for i in (order if r % 2 == 0 else order[::-1]):
+      start = time.perf_counter()
+      steps[i].run()
+      times[i].append(time.perf_counter() - start)
+  return times
+
+
+def per_round_ratio(times: Sequence[float], base: Sequence[float]) -> float:
+  """The median over rounds of ``times[r] / base[r]``: the drift of the machine's speed cancels."""
+  return statistics.median(t / b for t, b in zip(times, base))
+
+
+def measure_all(configs: Sequence[dict], rounds: int = 5) -> List[dict]:
+  """Compile every configuration, then time them all in ``rounds`` interleaved rounds in this process.
+
+  Each result is its config with ``memory`` (bytes: ``temp``, ``argument``, ``output``, ``total``),
+  ``compile_s``, ``step_times`` (one per round, aligned across results), ``step_s`` (their median) and
+  ``compilations`` (XLA executables behind the step, 1 when nothing recompiled).
+  """
+  prepared = [prepare(config) for config in configs]
+  times = time_in_rounds([p.step for p in prepared], rounds)
+  return [{**p.config, 'memory': p.memory, 'compile_s': p.compile_s, 'step_s': statistics.median(t),
+           'step_times': t, 'compilations': p.step.compilations()} for p, t in zip(prepared, times)]
 
 
 def largest_batch_within(budget: int, method: str, workload: str, shape: Shape, num_micro_batch: int = 1,

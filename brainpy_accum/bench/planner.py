@@ -21,7 +21,7 @@ from ..trainer import AccumBPTT
 from .methods import FIT, LEARNING_RATE
 from .workloads import Shape, make_batch, make_brainpy_model
 
-__all__ = ['measure_planner', 'planner_section']
+__all__ = ['measure_planner', 'planner_section', 'plot_planner']
 
 SHAPE = Shape(batch=128, time=200, hidden=64, inputs=16)
 FRACTIONS = (0.8, 0.4, 0.2)  # budgets as fractions of the whole batch's step without remat
@@ -115,6 +115,34 @@ def planner_section(measured: Dict[str, list]) -> str:
     lines.append(f'| {p["num_micro_batches"]} | {p["micro_batch_size"]} | {describe_remat(p["remat"])} | '
                  f'{format_memory(p["bytes"])} | {p["step_s"] * 1e3:.1f} ms | {picked} |')
   return '\n'.join(lines)
+
+
+def plot_planner(measured: Dict[str, list], path: str) -> None:
+  """Step time against memory of every plan timed, the budgets as vertical lines, the planner's picks ringed."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  for remat, marker in ((False, 'o'), (True, 'P')):
+    mine = [p for p in measured['plans'] if bool(p['remat']) == remat]
+    ax.scatter([p['bytes'] / 2 ** 20 for p in mine], [p['step_s'] * 1e3 for p in mine], marker=marker,
+               label='remat every sqrt(T) steps' if remat else 'no remat')
+    for p in mine:
+      ax.annotate(f'{p["num_micro_batches"]}', (p['bytes'] / 2 ** 20, p['step_s'] * 1e3), fontsize=7,
+                  xytext=(3, 3), textcoords='offset points')
+  picked = [p for p in measured['plans'] if p['picked_at']]
+  ax.scatter([p['bytes'] / 2 ** 20 for p in picked], [p['step_s'] * 1e3 for p in picked], s=220,
+             facecolors='none', edgecolors='red', label="remat='auto' pick")
+  for b in measured['budgets']:
+    ax.axvline(b['budget'] / 2 ** 20, color='grey', lw=0.8, ls='--')
+  ax.set_xlabel('train step memory, MiB (XLA compile-time analysis)')
+  ax.set_ylabel('step time, ms (median of interleaved rounds)')
+  ax.set_title(f'{measured["workload"]}, batch {measured["shape"][0]}: plans (number = micro-batches), budgets dashed',
+               fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
