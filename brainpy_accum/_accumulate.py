@@ -12,10 +12,19 @@ Gradients are summed in at least float32, whatever the parameters' dtype.
 import jax
 import jax.numpy as jnp
 
-__all__ = ['GRAD_REDUCTIONS', 'same_type', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'sum_values', 'finish_values',
+__all__ = ['GRAD_REDUCTIONS', 'check_grad_reduction', 'same_type', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'sum_values', 'finish_values',
            'combine_values']
 
 GRAD_REDUCTIONS = ('mean', 'sum')
+
+
+def check_grad_reduction(grad_reduction) -> None:
+  """``'mean'`` or ``'sum'``, else an error that says which to choose."""
+  if not isinstance(grad_reduction, str):
+    raise TypeError(f'{grad_reduction=} must be one of {GRAD_REDUCTIONS}.')
+  if grad_reduction not in GRAD_REDUCTIONS:
+    raise ValueError(f"{grad_reduction=} is unknown: use 'mean' (losses that average over samples, "
+                     f"reproduces whole-batch training) or 'sum' (losses that sum over samples).")
 
 try:  # keeps JAX's weak type, which a public astype() drops
   from jax._src.lax.lax import _convert_element_type

@@ -4,9 +4,9 @@ import math
 import warnings
 
 
-from ._accumulate import GRAD_REDUCTIONS
+from ._accumulate import check_grad_reduction
 from ._errors import BareBatchError, RemovedArgumentError, ReportCallbackError
-from ._plan import check_positive_int
+from ._plan import check_cut, check_positive_int
 from ._planner import parse_memory
 
 __all__ = ['check_accumulation_args', 'check_remat', 'check_update_args', 'check_fit_args', 'check_data',
@@ -17,8 +17,7 @@ def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, t
                             memory_budget) -> None:
   """Validate the accumulation options of :class:`AccumBPTT`."""
   if num_micro_batch is not None and micro_batch_size is not None:
-    raise ValueError(f'Give exactly one of num_micro_batch and micro_batch_size, not both; got '
-                     f'{num_micro_batch=} and {micro_batch_size=}.')
+    check_cut(num_micro_batch, micro_batch_size)  # raises: exactly one of them
   if num_micro_batch == 'auto':
     if memory_budget is None:
       raise ValueError("num_micro_batch='auto' needs memory_budget, e.g. memory_budget='2GiB'.")
@@ -26,15 +25,9 @@ def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, t
   elif memory_budget is not None:
     raise ValueError(f"{memory_budget=} is only used with num_micro_batch='auto'; got {num_micro_batch=} "
                      f"and {micro_batch_size=}.")
-  elif num_micro_batch is not None:
-    check_positive_int('num_micro_batch', num_micro_batch, "Pass e.g. num_micro_batch=4, or 'auto'.")
   else:
-    check_positive_int('micro_batch_size', micro_batch_size, 'Pass e.g. micro_batch_size=32.')
-  if not isinstance(grad_reduction, str):
-    raise TypeError(f'{grad_reduction=} must be one of {GRAD_REDUCTIONS}.')
-  if grad_reduction not in GRAD_REDUCTIONS:
-    raise ValueError(f"{grad_reduction=} is unknown: use 'mean' (losses that average over samples, "
-                     f"reproduces whole-batch training) or 'sum' (losses that sum over samples).")
+    check_cut(num_micro_batch, micro_batch_size)
+  check_grad_reduction(grad_reduction)
   if target_batch_axis is not None:
     if isinstance(target_batch_axis, bool) or not isinstance(target_batch_axis, int) or target_batch_axis < 0:
       raise ValueError(f'{target_batch_axis=} must be None (follow data_first_axis) or a non-negative int.')

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from ._accumulate import GRAD_REDUCTIONS, add_scaled, finish_grads, finish_values, sum_values, wide_zeros_like
+from ._accumulate import add_scaled, check_grad_reduction, finish_grads, finish_values, sum_values, wide_zeros_like
 from ._batch import put_samples, take_samples
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
-from ._plan import MicroBatchPlan, check_positive_int, plan_micro_batches
+from ._plan import MicroBatchPlan, check_cut, plan_micro_batches
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
 
 __all__ = ['MicroResult', 'Sums', 'accumulate', 'micro_batched_grad']
@@ -139,16 +139,8 @@ def _check_options(loss_fn, grad_states, num_micro_batch, micro_batch_size, grad
   if not leaves or not all(map(is_state, leaves)):
     raise TypeError(f'grad_states={grad_states!r:.60} must be a State or a dict/list of States, e.g. '
                     f'model.states(brainstate.ParamState) or model.train_vars().unique().')
-  if (num_micro_batch is None) == (micro_batch_size is None):
-    raise ValueError(f'Give exactly one of num_micro_batch and micro_batch_size; got {num_micro_batch=} and '
-                     f'{micro_batch_size=}. E.g. num_micro_batch=4, or micro_batch_size=32.')
-  if num_micro_batch is not None:
-    check_positive_int('num_micro_batch', num_micro_batch, 'Pass e.g. num_micro_batch=4.')
-  else:
-    check_positive_int('micro_batch_size', micro_batch_size, 'Pass e.g. micro_batch_size=32.')
-  if grad_reduction not in GRAD_REDUCTIONS:
-    raise ValueError(f"{grad_reduction=} is unknown: use 'mean' (a loss that averages over samples) or 'sum' "
-                     f"(a loss that sums over samples).")
+  check_cut(num_micro_batch, micro_batch_size)
+  check_grad_reduction(grad_reduction)
   for name, flag in flags.items():
     if not isinstance(flag, bool):
       raise TypeError(f'{name}={flag!r} must be True or False.')

@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sized, Tuple, cast
 import brainpy.math as bm
 import brainstate.environ
 import jax
-import jax.numpy as jnp
 from brainpy import tools
 from tqdm import tqdm
 
@@ -24,7 +23,7 @@ from ._checks import check_data, check_fit_args
 from ._compiles import count_compilations
 from ._report import PhaseLog
 from ._oom import run_with_retry
-from ._states import batched_variables, declared_batch_axes
+from ._states import all_samples, batched_variables, declared_batch_axes
 from ._stream import chunk_sizes, combine, host_chunk
 from ._resume import Interrupted, Progress, StopRequest, act_on, check_checkpoint_args, deferred_signals
 from ._window import steps_for_epoch, with_last_flag
@@ -214,7 +213,7 @@ def _run_streamed(trainer, phase: str, update: bool, options: LoopOptions, input
   ``bp.BPTT`` resets it, so random initial states are the same draws) and writes its final state back.
   """
   states = batched_variables(trainer.target, layout.batch_size)
-  whole = {name: _all_samples(var, axis, layout.batch_size) for name, (var, axis) in states.items()}
+  whole = {name: all_samples(name, var, axis, layout.batch_size) for name, (var, axis) in states.items()}
   sizes, results, weights, start = chunk_sizes(layout.batch_size, chunk), [], [], 0
   with declared_batch_axes(states.values()):
     for i, size in enumerate(sizes):
@@ -234,12 +233,6 @@ def _run_streamed(trainer, phase: str, update: bool, options: LoopOptions, input
     for name, (var, axis) in states.items():
       var.value = whole[name]
   return combine(results, weights, trainer.grad_reduction)
-
-
-def _all_samples(var, axis: int, batch_size: int):
-  """The Variable's value with every sample of the batch (a single sample repeated, as a step broadcasts it)."""
-  value = bm.as_jax(var.value)
-  return value if value.shape[axis] == batch_size else jnp.repeat(value, batch_size, axis=axis)
 
 
 def _call_step(trainer, kind: str, shared_args, inputs, targets):

@@ -77,6 +77,17 @@ def check_positive_int(name: str, value, fix: str) -> int:
   return value
 
 
+def check_cut(num_micro_batch, micro_batch_size) -> None:
+  """Exactly one of ``num_micro_batch`` and ``micro_batch_size``, a positive int."""
+  if (num_micro_batch is None) == (micro_batch_size is None):
+    raise ValueError(f'Give exactly one of num_micro_batch and micro_batch_size; got {num_micro_batch=} and '
+                     f'{micro_batch_size=}. E.g. num_micro_batch=4, or micro_batch_size=32.')
+  if num_micro_batch is not None:
+    check_positive_int('num_micro_batch', num_micro_batch, 'Pass e.g. num_micro_batch=4.')
+  else:
+    check_positive_int('micro_batch_size', micro_batch_size, 'Pass e.g. micro_batch_size=32.')
+
+
 def plan_micro_batches(
     batch_size: int,
     *,

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ['batched_variables', 'declared_batch_axes', 'whole_batch_variables', 'implicit_batch_axis', 'variable_batch_axis', 'batch_axis_of', 'batch_shapes', 'discover_states', 'is_state', 'loss_catching_new_states', 'named_states',
+__all__ = ['all_samples', 'batched_variables', 'declared_batch_axes', 'whole_batch_variables', 'implicit_batch_axis', 'variable_batch_axis', 'batch_axis_of', 'batch_shapes', 'discover_states', 'is_state', 'loss_catching_new_states', 'named_states',
            'prepare_states', 'whole_batch']
 
 
@@ -208,10 +208,16 @@ def whole_batch_variables(model, batch_size: int, whole: bool = True):
   states = batched_variables(model, batch_size)
   with declared_batch_axes(states.values()):
     for name, (var, axis) in states.items() if whole else ():
-      value = bm.as_jax(var.value)
-      if value.shape[axis] not in (1, batch_size):
-        raise ValueError(f'Model state {name} holds {value.shape[axis]} samples along its batch axis {axis}, but '
-                         f'the batch has {batch_size}. Call model.reset({batch_size}) first, or fit with '
-                         f'reset_state=True.')
-      var.value = value if value.shape[axis] == batch_size else jnp.repeat(value, batch_size, axis=axis)
+      var.value = all_samples(name, var, axis, batch_size)
     yield list(states.values())
+
+
+def all_samples(name: str, var, axis: int, batch_size: int):
+  """The Variable's value holding every sample of the batch: a single sample is repeated (as the whole-batch
+  run broadcasts it); another size raises, naming the fix."""
+  value = bm.as_jax(var.value)
+  if value.shape[axis] not in (1, batch_size):
+    raise ValueError(f'Model state {name} holds {value.shape[axis]} samples along its batch axis {axis}, but '
+                     f'the batch has {batch_size}. Call model.reset({batch_size}) first, or fit with '
+                     f'reset_state=True.')
+  return value if value.shape[axis] == batch_size else jnp.repeat(value, batch_size, axis=axis)
