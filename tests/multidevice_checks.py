@@ -146,6 +146,25 @@ def test_batch_not_divisible_by_devices_is_rejected_before_any_change(mesh):
   assert_trees_close(optimizer_state(trainer), opt_state, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize('batch, num_micro_batch', [(8, 1), (8, 3), (16, 3), (40, 2), (4, 1), (20, 2), (1, 1)])
+def test_batch_sizes_against_devices_and_micro_batches_train_as_bptt_or_are_refused(mesh, batch, num_micro_batch):
+  """Batch sizes against 8 devices and N: a multiple of 8 trains as bp.BPTT (N larger than a device's share
+  runs one sample per micro-batch); any other size is refused with ValueError before anything changes."""
+  data = make_batches((batch,), seed=batch)
+  trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.1),
+                      num_micro_batch=num_micro_batch, mesh=mesh, progress_bar=False)
+  before = params_of(trainer.target) + optimizer_state(trainer)
+  if batch % 8:
+    with pytest.raises(ValueError, match=f'batch_size={batch} does not split evenly over the 8 devices'):
+      trainer.fit(data, num_epoch=1)
+    assert_trees_close(params_of(trainer.target) + optimizer_state(trainer), before, rtol=0, atol=0)
+    return
+  trainer.fit(data, num_epoch=1)
+  reference = bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.1), progress_bar=False)
+  reference.fit(data, num_epoch=1)
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
+
+
 def test_two_axis_mesh_splits_the_named_axis():
   """A mesh from jax.make_mesh (Explicit axis types) with a replica axis: only 'batch' splits the batch."""
   grid = jax.make_mesh((4, 2), ('batch', 'replica'))
