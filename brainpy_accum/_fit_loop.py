@@ -117,9 +117,9 @@ def fit(trainer, train_data, test_data, num_epoch: int, num_report: int, reset_s
     if not getattr(interruption, 'forced', False):  # a second Ctrl-C mid-step may have left a half-written step
       run.save()
     _keep_history(trainer, logs)
-    if isinstance(interruption, Interrupted):
-      act_on(interruption.signum)  # Ctrl-C: KeyboardInterrupt; SIGTERM: its previous handler (default: exit)
-    raise
+    if not isinstance(interruption, Interrupted):
+      raise
+    act_on(interruption.signum)  # Ctrl-C: KeyboardInterrupt; SIGTERM: its previous handler (default: exit)
   finally:
     _keep_history(trainer, logs)
 

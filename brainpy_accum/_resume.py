@@ -7,9 +7,11 @@ from there. A signal that arrives while a batch's compiled step runs would
 otherwise interrupt Python between the write-backs of its Variables;
 :func:`deferred_signals` holds SIGINT and SIGTERM until the batch is done, so
 :meth:`fit` stops at a batch boundary, writes a final checkpoint and only
-then lets the signal act (KeyboardInterrupt for Ctrl-C, the previous handler
-for SIGTERM, by default the end of the process). A second Ctrl-C while one
-is pending stops at once.
+then lets the signal act as it would have (Python's Ctrl-C handler raises
+KeyboardInterrupt, SIGTERM by default ends the process, a handler installed
+before :meth:`fit` runs; if that handler returns, so does :meth:`fit`). A
+signal the process ignores stays ignored. A second Ctrl-C while one is
+pending stops at once.
 """
 
 import contextlib
@@ -60,13 +62,14 @@ class StopRequest:
 
 @contextlib.contextmanager
 def deferred_signals() -> Iterator[StopRequest]:
-  """Hold SIGINT and SIGTERM for the duration; outside the main thread (where Python cannot install
-  handlers) nothing is deferred."""
+  """Hold SIGINT and SIGTERM for the duration. A signal the process ignores stays ignored; outside the main
+  thread (where Python cannot install handlers) nothing is deferred."""
   request = StopRequest()
   if threading.current_thread() is not threading.main_thread():
     yield request
     return
   previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
+  held = [signum for signum in _SIGNALS if previous[signum] is not signal.SIG_IGN]
 
   def hold(signum, frame):
     if signum == signal.SIGINT and signal.SIGINT in request.received:
@@ -76,19 +79,18 @@ def deferred_signals() -> Iterator[StopRequest]:
       raise forced
     request.received.append(signum)
 
-  for signum in _SIGNALS:
+  for signum in held:
     signal.signal(signum, hold)
   try:
     yield request
   finally:
-    for signum, handler in previous.items():
-      signal.signal(signum, handler)
+    for signum in held:
+      signal.signal(signum, previous[signum])
 
 
 def act_on(signum: int) -> None:
-  """Let a held signal do what it would have done (the handlers are restored by now)."""
-  if signum == signal.SIGINT:
-    raise KeyboardInterrupt
+  """Let a held signal do what it would have done, now that the handlers are restored: Python's Ctrl-C
+  handler raises KeyboardInterrupt, SIGTERM's default ends the process, a handler of the user's runs."""
   signal.raise_signal(signum)
 
 

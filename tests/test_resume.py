@@ -94,7 +94,15 @@ def _signalling(batches, at: int, signum=signal.SIGINT):
   return data
 
 
-def test_ctrl_c_finishes_the_batch_then_stops_with_a_checkpoint(tmp_path):
+@pytest.fixture
+def ctrl_c_raises():
+  """Python's own Ctrl-C handler (a process started in the background may ignore SIGINT)."""
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_finishes_the_batch_then_stops_with_a_checkpoint(tmp_path, ctrl_c_raises):
   checkpoint = tmp_path / 'run.ckpt'
   trainer = _trainer()
   with pytest.raises(KeyboardInterrupt):
@@ -104,6 +112,7 @@ def test_ctrl_c_finishes_the_batch_then_stops_with_a_checkpoint(tmp_path):
   assert_trees_close(params_of(trainer.target), params_of(partial.target))
   np.testing.assert_allclose(trainer.train_losses, partial.train_losses, rtol=1e-6)
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, 'the Ctrl-C handler is restored'
+  assert checkpoint.exists()
 
   trainer.fit(BATCHES, num_epoch=2, num_report=1, checkpoint=checkpoint)  # the same call again: resumes
   whole = _trainer()
@@ -161,3 +170,27 @@ def test_loaded_checkpoint_reuses_the_compiled_step(tmp_path):
   trainer.load_checkpoint(trainer.save_checkpoint(tmp_path / 'run.ckpt'))
   trainer.fit(BATCHES[:2], num_epoch=1)
   assert trainer.compilations['fit'] == 1
+
+
+def test_ignored_ctrl_c_stays_ignored_and_a_handler_that_returns_ends_fit_early(tmp_path):
+  """SIG_IGN: fit trains on as if nothing came. A user's handler that returns: fit stops at the batch
+  boundary, writes the checkpoint, runs the handler and returns; the same call then resumes."""
+  before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    trainer = _trainer()
+    trainer.fit(_signalling(BATCHES, at=2), num_epoch=1)
+    whole = _trainer()
+    whole.fit(BATCHES, num_epoch=1)
+    assert_trees_close(params_of(trainer.target), params_of(whole.target))
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+    calls = []
+    signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    checkpoint = tmp_path / 'run.ckpt'
+    stopped = _trainer()
+    stopped.fit(_signalling(BATCHES, at=2), num_epoch=1, num_report=1, checkpoint=checkpoint)
+    assert calls == [signal.SIGINT] and len(stopped.train_losses) == 2
+    stopped.fit(BATCHES, num_epoch=1, num_report=1, checkpoint=checkpoint)
+    assert_trees_close(params_of(stopped.target), params_of(whole.target))
+  finally:
+    signal.signal(signal.SIGINT, before)
