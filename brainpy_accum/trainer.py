@@ -324,8 +324,9 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     -----
     Ctrl-C (SIGINT) and SIGTERM during ``fit`` are held until the running batch is done: ``fit``
     then stops with the trainer at its last completed batch and a consistent history, writes the
-    checkpoint if one is configured, and lets the signal act (KeyboardInterrupt; SIGTERM's previous
-    handler, by default the end of the process). A second Ctrl-C stops at once, without a checkpoint.
+    checkpoint if one is configured, and lets the signal act through the handler that was there before
+    (Python's raises KeyboardInterrupt; SIGTERM's default ends the process; one that returns ends ``fit``).
+    An ignored signal stays ignored. A second Ctrl-C stops at once, without a checkpoint.
     """
     run_fit(self, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
