@@ -1,11 +1,62 @@
-import sys
+"""The suite's switches: the long suite (``--long``), one JAX compilation cache per run, early subprocess checks.
+
+``python -m pytest -q`` runs the suite a contributor runs while working: every behaviour, small models, a few
+minutes on two cores. ``--long`` adds the tests marked ``long``: the searches, BrainPy's gallery ports, the
+resume-after-SIGKILL runs, the multi-process and multi-device checks. ``--long -m long`` runs those alone.
+"""
+
+import os
 import pathlib
+import shutil
+import sys
+import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+LONG_HELP = ('also run the long suite: tests marked "long" (searches, gallery ports, resume after SIGKILL, '
+             'multi-process and multi-device checks); "--long -m long" runs them alone')
+
+
+def pytest_addoption(parser):
+  parser.addoption('--long', action='store_true', default=False, help=LONG_HELP)
+
+
+def pytest_configure(config):
+  _share_compilations(config)
+
+
+def _share_compilations(config):
+  """One persistent JAX compilation cache for the whole run, its xdist workers and its subprocesses.
+
+  Many tests build a fresh trainer for the same tiny model, and each fresh trainer compiles the same XLA
+  program again; the cache turns the repeats into look-ups. Compilation counts stay exact: JAX reports a
+  backend compilation for a cache hit too, which is what :mod:`brainpy_accum` counts. An environment that
+  names its own cache (``JAX_COMPILATION_CACHE_DIR``, as ``.ci/run`` does for all its legs) keeps it;
+  otherwise the cache is a fresh folder removed at the end, so every run starts cold.
+  """
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+  if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+    folder = tempfile.mkdtemp(prefix='brainpy_accum_jax_cache_')
+    os.environ['JAX_COMPILATION_CACHE_DIR'] = folder
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+def pytest_collection_modifyitems(config, items):
+  """Without ``--long``, the tests marked ``long`` are deselected (not skipped: they are not part of this run)."""
+  if config.getoption('--long'):
+    return
+  long_items = [item for item in items if item.get_closest_marker('long')]
+  if long_items:
+    config.hook.pytest_deselected(items=long_items)
+    items[:] = [item for item in items if not item.get_closest_marker('long')]
+
 
 def pytest_collection_finish(session):
-  """Start the subprocess checks of ``test_mesh.py`` early, so they run beside the other tests."""
+  """Start the subprocess checks early, so they run beside the other tests (one process only: under
+  pytest-xdist each worker collects every test, so the tests start their subprocesses when they run)."""
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    return
   import background
   names = {item.name for item in session.items}
   if 'test_on_eight_simulated_devices' in names:

@@ -62,7 +62,7 @@ def test_soak_runs_without_recompiling(capsys):
   assert growth < 0.05  # the soak target, over a shorter run
 
 
-@pytest.mark.heavy
+@pytest.mark.long
 def test_quick_planner_and_streaming_parts_join_the_report(tmp_path):
   """The two other parts rerun alone, keeping the steps part from benchmark.json."""
   bench_main.main(['--quick', '--workloads', 'rnn', '--rounds', '1', '--parts', 'steps', '--out', str(tmp_path)])

@@ -4,7 +4,7 @@ import pytest
 
 from brainpy_accum.bench import whole_batch
 
-pytestmark = pytest.mark.heavy  # CI: on one leg per brainpy version
+pytestmark = pytest.mark.long  # the long suite (--long): CI runs it once per brainpy version
 
 
 def test_quick_run_writes_the_page_with_every_row(tmp_path):

@@ -75,6 +75,7 @@ def test_one_device_mesh_with_nested_args_and_values_that_are_not_cut():
   assert_trees_close(grad_fn(inputs, y, jnp.float32(0.5), 0.25), jax.grad(loss)(PARAMS, inputs, y, 0.5, 0.25))
 
 
+@pytest.mark.long
 @pytest.mark.multidevice
 def test_on_eight_simulated_devices():
   """``core_mesh_checks.py`` in its own pytest session on 8 simulated CPU devices (about a minute)."""

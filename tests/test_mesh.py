@@ -37,6 +37,7 @@ def test_one_device_mesh_equals_bptt():
   assert trainer.describe_batch(10) == 'batch 10 = 1 devices x (2 x 4 + 2)'
 
 
+@pytest.mark.long
 @pytest.mark.multidevice
 def test_on_eight_simulated_devices():
   """``multidevice_checks.py`` in its own pytest session on 8 simulated CPU devices (started at collection)."""
@@ -46,6 +47,7 @@ def test_on_eight_simulated_devices():
   assert ' passed' in text and 'skipped' not in text, text
 
 
+@pytest.mark.long
 @pytest.mark.multidevice
 def test_two_processes_over_loopback_match_one_process():
   """jax.distributed with 2 processes x 2 CPU devices: both end with bp.BPTT's single-process parameters."""
@@ -68,6 +70,7 @@ def test_two_processes_over_loopback_match_one_process():
     np.testing.assert_array_equal(a, b)  # the two processes hold identical parameters
 
 
+@pytest.mark.long
 @pytest.mark.multidevice
 def test_two_process_checkpoint_resumes_mid_window():
   """Two processes interrupted with an ``accumulate_steps`` window holding one batch (its rows on both

@@ -19,7 +19,6 @@ import background
 from brainpy_accum import AccumBPTT
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
-pytestmark = pytest.mark.heavy  # CI: on one leg per brainpy version
 
 WORKER = str(pathlib.Path(__file__).with_name('resume_worker.py'))
 KILL_AFTER = {'SIGKILL': 7, 'SIGTERM': 11}  # 'batch' lines read (of 15 over 3 epochs) before the signal
@@ -56,6 +55,7 @@ def uninterrupted(tmp_path_factory):
   return dict(np.load(out))
 
 
+@pytest.mark.long  # the long suite (--long)
 @pytest.mark.parametrize('signame', ['SIGKILL', 'SIGTERM'])
 def test_killed_run_resumes_to_the_uninterrupted_result(signame, uninterrupted, tmp_path):
   checkpoint, out = tmp_path / 'run.ckpt', tmp_path / 'resumed.npz'
@@ -172,6 +172,7 @@ def test_loaded_checkpoint_reuses_the_compiled_step(tmp_path):
   assert trainer.compilations['fit'] == 1
 
 
+@pytest.mark.long  # the long suite (--long)
 def test_ignored_ctrl_c_stays_ignored_and_a_handler_that_returns_ends_fit_early(tmp_path):
   """SIG_IGN: fit trains on as if nothing came. A user's handler that returns: fit stops at the batch
   boundary, writes the checkpoint, runs the handler and returns; the same call then resumes."""

@@ -14,7 +14,6 @@ from brainpy_accum._stream import chunk_candidates, chunk_sizes, combine
 from helpers import assert_trees_close, make_batches, make_model, params_of
 from test_training_loop import windows
 
-pytestmark = pytest.mark.heavy  # CI: on one leg per brainpy version
 
 N_IN, N_HIDDEN, T = 64, 8, 20
 
@@ -48,6 +47,7 @@ def test_batch_several_times_the_budget_trains_as_bptt():
   assert_trees_close(trainer.target.lif.V.value, reference.target.lif.V.value)  # the whole batch's final state
 
 
+@pytest.mark.long  # the long suite (--long)
 def test_streamed_carried_states_and_windows_train_as_bptt():
   """``reset_state=False`` (each chunk continues its samples' state) and ``accumulate_steps=2`` (chunks of
   two batches, one update) against bp.BPTT on the windows' concatenated batches."""

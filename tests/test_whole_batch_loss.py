@@ -15,7 +15,6 @@ import pytest
 from brainpy_accum import AccumBPTT
 from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
 
-pytestmark = pytest.mark.heavy  # CI: on one leg per brainpy version
 
 
 def rate_regulariser(predicts, targets):
@@ -81,7 +80,14 @@ def _assert_same_run(actual, expected):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('case', sorted(CASES))
+QUICK_CASES = ('rate_regulariser_snn', 'contrastive_rnn')  # the others run in the long suite (--long)
+
+
+def _long_unless_quick(cases):
+  return [pytest.param(case, marks=() if case in QUICK_CASES else pytest.mark.long) for case in cases]
+
+
+@pytest.mark.parametrize('case', _long_unless_quick(sorted(CASES)))
 def test_two_passes_equal_bptt_on_the_whole_batch(case):
   expected = _fit(_trainer(bp.BPTT, case), case)
   with warnings.catch_warnings():
@@ -90,6 +96,7 @@ def test_two_passes_equal_bptt_on_the_whole_batch(case):
   _assert_same_run(actual, expected)
 
 
+@pytest.mark.long  # the long suite (--long)
 @pytest.mark.parametrize('options', [dict(remat=2), dict(clip_grad_norm=0.05, skip_nonfinite=True),
                                      dict(micro_batch_size=1)], ids=['remat', 'clip_skip', 'one_sample_each'])
 def test_two_passes_compose_with_remat_clipping_skipping(options):
@@ -101,6 +108,7 @@ def test_two_passes_compose_with_remat_clipping_skipping(options):
   _assert_same_run(actual, expected)
 
 
+@pytest.mark.long  # the long suite (--long)
 def test_two_passes_under_the_memory_planner_count_the_stored_predictions():
   case = 'batch_max_rnn'
   expected = _fit(_trainer(bp.BPTT, case), case)
@@ -111,6 +119,7 @@ def test_two_passes_under_the_memory_planner_count_the_stored_predictions():
   assert all(used <= 9.5 * 1024 for _, used in actual.memory_plans.values())
 
 
+@pytest.mark.long  # the long suite (--long)
 def test_both_passes_see_the_same_random_numbers():
   """With dropout and a per-sample loss, the two-pass gradient is the default mode's (same draws, same order)."""
 
@@ -135,7 +144,7 @@ def test_both_passes_see_the_same_random_numbers():
   np.testing.assert_allclose(runs[1].train_losses, runs[0].train_losses, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('case', ['rate_regulariser_snn', 'batch_max_rnn', 'contrastive_rnn'])
+@pytest.mark.parametrize('case', _long_unless_quick(['rate_regulariser_snn', 'batch_max_rnn', 'contrastive_rnn']))
 def test_default_mode_warns_once_with_the_measured_difference(case):
   # The check compares values on the first batch: the spiking network needs input strong enough to spike
   # there (with no spike at all, a rate regulariser is the same constant on every micro-batch).
