@@ -14,9 +14,8 @@ from typing import Dict, Optional, Sequence
 
 import brainpy as bp
 
-from .._plan import describe_remat, plan_micro_batches
-from .._planner import compiled_step_bytes, format_memory
-from .._time_planner import time_steps
+from ..core import describe_remat, plan_micro_batches
+from ..memory import compiled_step_bytes, format_memory, time_steps
 from ..trainer import AccumBPTT
 from .methods import FIT, LEARNING_RATE
 from .workloads import Shape, make_batch, make_brainpy_model

@@ -20,7 +20,7 @@ import signal
 import threading
 from typing import Iterator, List, NamedTuple, Optional
 
-from ._plan import check_positive_int
+from ..core._cut import check_positive_int
 
 __all__ = ['Progress', 'Interrupted', 'StopRequest', 'deferred_signals', 'act_on', 'check_checkpoint_args']
 

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from ._accumulate import add_scaled, check_grad_reduction, finish_grads, finish_values, sum_values, wide_zeros_like
 from ._batch import put_samples, take_samples
+from ._combine import add_scaled, check_grad_reduction, finish_grads, finish_values, sum_values, wide_zeros_like
+from ._cut import MicroBatchPlan, check_cut, plan_micro_batches
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
-from ._plan import MicroBatchPlan, check_cut, plan_micro_batches
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
 
 __all__ = ['MicroResult', 'Sums', 'accumulate', 'micro_batched_grad']

@@ -25,9 +25,9 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
+from ._accumulate import MicroResult, Sums, _is_leaf as is_array, accumulate
 from ._batch import take_samples
-from ._core import MicroResult, Sums, _is_leaf as is_array, accumulate
-from ._plan import MicroBatchPlan
+from ._cut import MicroBatchPlan
 
 __all__ = ['Devices', 'check_whole_batch_loss', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes',
            'pull_back', 'second_sizes', 'traced_shapes', 'two_pass_sums', 'warn_coupled_loss', 'whole_batch_like']

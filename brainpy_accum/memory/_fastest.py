@@ -17,8 +17,8 @@ import statistics
 import time
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from ._plan import describe_remat
-from ._planner import candidate_micro_batch_sizes, format_memory, largest_fitting
+from ..core._cut import describe_remat
+from ._budget import candidate_micro_batch_sizes, format_memory, largest_fitting
 
 __all__ = ['Candidate', 'REMAT_OPTIONS', 'choose_fastest_plan', 'time_steps', 'describe_choice']
 

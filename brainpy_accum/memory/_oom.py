@@ -11,7 +11,7 @@ from typing import Callable
 import jax
 from tqdm import tqdm
 
-from ._plan import MicroBatchPlan, plan_micro_batches
+from ..core._cut import MicroBatchPlan, plan_micro_batches
 
 __all__ = ['is_out_of_memory', 'finer_plan', 'run_with_retry']
 

@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from ._batch import _is_leaf
+from ..core._batch import _is_leaf
 
 __all__ = ['chunk_candidates', 'chunk_sizes', 'host_chunk', 'combine']
 

@@ -17,21 +17,21 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from brainpy.running import constants as c
 
-from ._accumulate import same_type
-from ._checkpoint import Checkpoints
-from ._compiles import Compilations
-from ._checks import check_accumulation_args, check_remat, check_update_args, warn_batch_statistics
+from ..checkpoint._save_load import Checkpoints
+from ..core._combine import same_type
+from ..core._cut import MicroBatchPlan
+from ..core._mesh import auto_axes, check_mesh, random_states
+from ..core._states import whole_batch_variables
+from ..core._two_pass import Devices, check_whole_batch_loss, two_pass_sums
+from ..diagnostics._compiles import Compilations
+from ..memory._budget import parse_memory
+from ._arguments import check_accumulation_args, check_remat, check_update_args, warn_batch_statistics
+from ._coupled_loss import LossCheck
 from ._fit_loop import fit as run_fit
-from ._loss_check import LossCheck
-from ._mesh import auto_axes, check_mesh, random_states
 from ._model_loss import ModelLoss
-from ._plan import MicroBatchPlan
-from ._planner import parse_memory
-from ._planning import Planning
+from ._plans import Planning
 from ._sharded import on_mesh
-from ._states import whole_batch_variables
 from ._step import Settled, batch_sums, micro_step, same, settle
-from ._two_pass import Devices, check_whole_batch_loss, two_pass_sums
 from ._update import clip_by_global_norm, guarded_update
 from ._window import GradWindow, check_accumulate_steps
 

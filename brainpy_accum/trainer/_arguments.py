@@ -4,10 +4,10 @@ import math
 import warnings
 
 
-from ._accumulate import check_grad_reduction
+from ..core._combine import check_grad_reduction
+from ..core._cut import check_cut, check_positive_int
+from ..memory._budget import parse_memory
 from ._errors import BareBatchError, RemovedArgumentError, ReportCallbackError
-from ._plan import check_cut, check_positive_int
-from ._planner import parse_memory
 
 __all__ = ['check_accumulation_args', 'check_remat', 'check_update_args', 'check_fit_args', 'check_data',
            'warn_batch_statistics']

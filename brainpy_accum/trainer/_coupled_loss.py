@@ -15,11 +15,11 @@ import brainpy.math as bm
 import jax
 from brainpy.running import constants as c
 
-from ._accumulate import finish_values
-from ._mesh import random_states
-from ._plan import MicroBatchPlan, plan_micro_batches
-from ._states import whole_batch_variables
-from ._two_pass import forward_pass, warn_coupled_loss
+from ..core._combine import finish_values
+from ..core._cut import MicroBatchPlan, plan_micro_batches
+from ..core._mesh import random_states
+from ..core._states import whole_batch_variables
+from ..core._two_pass import forward_pass, warn_coupled_loss
 
 __all__ = ['LossCheck', 'whole_and_combined_loss', 'check_loss']
 

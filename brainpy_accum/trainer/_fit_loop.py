@@ -18,14 +18,14 @@ import jax
 from brainpy import tools
 from tqdm import tqdm
 
-from ._checkpoint import load, save
-from ._checks import check_data, check_fit_args
-from ._compiles import count_compilations
+from ..checkpoint._resume import Interrupted, Progress, StopRequest, act_on, check_checkpoint_args, deferred_signals
+from ..checkpoint._save_load import load, save
+from ..core._states import all_samples, batched_variables, declared_batch_axes
+from ..diagnostics._compiles import count_compilations
+from ..memory._oom import run_with_retry
+from ..memory._stream import chunk_sizes, combine, host_chunk
+from ._arguments import check_data, check_fit_args
 from ._report import PhaseLog
-from ._oom import run_with_retry
-from ._states import all_samples, batched_variables, declared_batch_axes
-from ._stream import chunk_sizes, combine, host_chunk
-from ._resume import Interrupted, Progress, StopRequest, act_on, check_checkpoint_args, deferred_signals
 from ._window import steps_for_epoch, with_last_flag
 
 __all__ = ['LoopOptions', 'Run', 'fit', 'run_epoch']

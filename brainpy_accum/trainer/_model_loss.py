@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._remat import checkpointed_time_loop
+from ..memory._remat import checkpointed_time_loop
 
 __all__ = ['ModelLoss']
 

@@ -17,14 +17,14 @@ from brainpy import tools
 from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
-from ._batch import BatchLayout, batch_layout
-from ._mesh import batch_spec, check_divisible, mesh_size, place, random_states
-from ._oom import finer_plan
-from ._plan import MicroBatchPlan, plan_micro_batches
-from ._planner import choose_micro_batch_size, compiled_step_bytes, format_memory
-from ._stream import chunk_candidates, host_chunk
-from ._time_planner import Candidate, choose_fastest_plan, describe_choice, time_steps
-from ._states import batched_variables
+from ..core._batch import BatchLayout, batch_layout
+from ..core._cut import MicroBatchPlan, plan_micro_batches
+from ..core._mesh import batch_spec, check_divisible, mesh_size, place, random_states
+from ..core._states import batched_variables
+from ..memory._budget import choose_micro_batch_size, compiled_step_bytes, format_memory
+from ..memory._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
+from ..memory._oom import finer_plan
+from ..memory._stream import chunk_candidates, host_chunk
 
 __all__ = ['Planning']
 

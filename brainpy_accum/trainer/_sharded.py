@@ -14,7 +14,7 @@ import brainstate
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from ._mesh import batch_spec, per_device_random, sum_across_devices
+from ..core._mesh import batch_spec, per_device_random, sum_across_devices
 
 __all__ = ['on_mesh']
 

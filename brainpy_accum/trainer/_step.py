@@ -18,9 +18,9 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import brainpy.math as bm
 import jax.numpy as jnp
 
-from ._accumulate import finish_grads, finish_values
-from ._core import MicroResult, Sums, accumulate
-from ._plan import MicroBatchPlan
+from ..core._accumulate import MicroResult, Sums, accumulate
+from ..core._combine import finish_grads, finish_values
+from ..core._cut import MicroBatchPlan
 from ._update import all_finite
 
 __all__ = ['Settled', 'micro_step', 'batch_sums', 'settle', 'same']

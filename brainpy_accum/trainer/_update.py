@@ -6,7 +6,7 @@ import brainpy.math as bm
 import jax
 import jax.numpy as jnp
 
-from ._accumulate import same_type
+from ..core._combine import same_type
 
 __all__ = ['all_finite', 'clip_by_global_norm', 'guarded_update']
 

@@ -12,8 +12,8 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
 import brainpy.math as bm
 import jax.numpy as jnp
 
-from ._accumulate import wide_zeros_like
-from ._plan import check_positive_int
+from ..core._combine import wide_zeros_like
+from ..core._cut import check_positive_int
 
 __all__ = ['GradWindow', 'check_accumulate_steps', 'steps_for_epoch', 'with_last_flag']
 
