@@ -1,7 +1,9 @@
 import sys
 import pathlib
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parent / 'support'))
+import background  # noqa: E402
+sys.path[1:1] = background.TEST_FOLDERS  # test files import one another across the mirrored folders
 
 
 def pytest_collection_finish(session):

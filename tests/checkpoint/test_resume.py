@@ -5,7 +5,6 @@ though a resumed run repeats the same compiled steps on the same values and is i
 """
 
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from helpers import assert_trees_close, make_batches, make_model, params_of
 
 pytestmark = pytest.mark.heavy  # CI: on one leg per brainpy version
 
-WORKER = str(pathlib.Path(__file__).with_name('resume_worker.py'))
+WORKER = str(background.HERE / 'resume_worker.py')
 KILL_AFTER = {'SIGKILL': 7, 'SIGTERM': 11}  # 'batch' lines read (of 15 over 3 epochs) before the signal
 
 

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from brainpy_accum._accumulate import add_scaled, combine_values, finish_grads, wide_zeros_like
+from brainpy_accum.core._combine import add_scaled, combine_values, finish_grads, wide_zeros_like
 
 
 def test_low_precision_gradients_accumulate_in_float32():

@@ -39,7 +39,7 @@ from brainpy_accum.demo import load_digits_sequences  # noqa: E402
 from helpers import assert_trees_close  # noqa: E402
 
 BATCH, NUM_MICRO_BATCH, STEPS = 20, 3, 3  # 7 + 7 + 6 samples per batch
-GUIDE = pathlib.Path(__file__).resolve().parents[1] / 'docs' / 'without_trainer.md'
+GUIDE = pathlib.Path(__file__).resolve().parents[2] / 'docs' / 'without_trainer.md'
 
 
 @pytest.fixture(scope='module')

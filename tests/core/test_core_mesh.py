@@ -79,7 +79,7 @@ def test_one_device_mesh_with_nested_args_and_values_that_are_not_cut():
 def test_on_eight_simulated_devices():
   """``core_mesh_checks.py`` in its own pytest session on 8 simulated CPU devices (about a minute)."""
   job = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-o', 'addopts=',
-                        str(background.HERE / 'core_mesh_checks.py')], cwd=background.HERE.parent,
+                        str(background.HERE / 'core_mesh_checks.py')], cwd=background.ROOT,
                        env=background.env(XLA_FLAGS='--xla_force_host_platform_device_count=8'),
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
   text = job.stdout[-6000:]

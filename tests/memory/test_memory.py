@@ -4,7 +4,7 @@ import brainpy as bp
 import pytest
 
 from brainpy_accum import AccumBPTT, parse_memory, plan_micro_batches
-from brainpy_accum._planner import candidate_micro_batch_sizes
+from brainpy_accum.memory._budget import candidate_micro_batch_sizes
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
-from brainpy_accum._time_planner import choose_fastest_plan, finer_sizes
+from brainpy_accum.memory._fastest import choose_fastest_plan, finer_sizes
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)

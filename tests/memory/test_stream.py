@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT
-from brainpy_accum._stream import chunk_candidates, chunk_sizes, combine
+from brainpy_accum.memory._stream import chunk_candidates, chunk_sizes, combine
 from helpers import assert_trees_close, make_batches, make_model, params_of
 from test_training_loop import windows
 

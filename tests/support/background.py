@@ -14,7 +14,9 @@ import sys
 import tempfile
 from typing import Dict, List, NamedTuple
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parent  # tests/support
+ROOT = HERE.parent.parent  # the repository, where the subprocesses run
+TEST_FOLDERS = [str(HERE.parent / name) for name in ('core', 'memory', 'trainer', 'checkpoint', 'bench')]
 
 
 class Job(NamedTuple):
@@ -28,9 +30,9 @@ NUM_MICRO_BATCH_FOR_BRAINPY_SUITE = (2, 3)  # even and uneven splits of BrainPy'
 
 
 def env(**extra) -> dict:
-  """This environment, with the tests folder importable and ``extra`` set."""
+  """This environment, with the support and test folders importable and ``extra`` set."""
   values = dict(os.environ, **extra)
-  values['PYTHONPATH'] = os.pathsep.join([str(HERE)] + [p for p in [values.get('PYTHONPATH')] if p])
+  values['PYTHONPATH'] = os.pathsep.join([str(HERE)] + TEST_FOLDERS + [p for p in [values.get('PYTHONPATH')] if p])
   return values
 
 
@@ -45,7 +47,7 @@ def _start(name: str, commands: List[List[str]], environment: dict) -> None:
   logs = [out_dir / f'log_{i}.txt' for i in range(len(commands))]
   environment = {key: value.replace('{out}', str(out_dir)) for key, value in environment.items()}
   processes = [subprocess.Popen([arg.replace('{out}', str(out_dir)) for arg in command], env=environment,
-                                stdout=open(log, 'w'), stderr=subprocess.STDOUT, cwd=HERE.parent)
+                                stdout=open(log, 'w'), stderr=subprocess.STDOUT, cwd=ROOT)
                for command, log in zip(commands, logs)]
   _jobs[name] = Job(processes, logs, out_dir)
 

@@ -202,7 +202,7 @@ def test_resume_in_a_fresh_process_equals_training_straight_through(tmp_path):
   path = first.save_checkpoint(str(tmp_path / 'epoch1.ckpt'))
   assert os.listdir(tmp_path) == ['epoch1.ckpt']  # no temporary file left behind
   out = str(tmp_path / 'resumed.npz')
-  script = RESUME.format(tests=os.path.dirname(__file__), path=path, sizes=sizes, out=out)
+  script = RESUME.format(tests=os.path.join(os.path.dirname(__file__), os.pardir, 'support'), path=path, sizes=sizes, out=out)
   subprocess.run([sys.executable, '-c', script], check=True, capture_output=True)
   resumed = np.load(out)
   assert_trees_close([resumed[f'arr_{i}'] for i in range(len(resumed.files))], params_of(straight.target),
