@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from ._batch import put_samples, take_samples
-from ._combine import add_scaled, check_grad_reduction, finish_grads, finish_values, sum_values, wide_zeros_like
+from ._batch import is_array, put_samples, take_samples
+from ._combine import add_scaled, check_grad_reduction, check_loss_weight_fn, finish_grads, finish_values, sum_values, wide_zeros_like
 from ._cut import MicroBatchPlan, check_cut, plan_micro_batches
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
@@ -40,12 +40,8 @@ class Sums(NamedTuple):
   samples: Any
 
 
-def _is_leaf(x) -> bool:
-  return isinstance(x, bm.Array)
-
-
 def _axes_like(tree, axis):
-  return jax.tree_util.tree_map(lambda _: axis, tree, is_leaf=_is_leaf)
+  return jax.tree_util.tree_map(lambda _: axis, tree, is_leaf=is_array)
 
 
 def _one_batch(micro_fn, args, plan: MicroBatchPlan, grads_like) -> Sums:
@@ -94,7 +90,7 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
   """
   if plan.num_micro_batches == 1:
     return _one_batch(micro_fn, args, plan, grads_like)
-  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_leaf)
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
   state_axes = [_axes_like(s.value, a) for s, a in states]
   if sample_axes is None:
     sample_axes = [0] * len(jax.tree_util.tree_leaves(samples_like))
@@ -144,11 +140,7 @@ def _check_options(loss_fn, grad_states, num_micro_batch, micro_batch_size, grad
   for name, flag in flags.items():
     if not isinstance(flag, bool):
       raise TypeError(f'{name}={flag!r} must be True or False.')
-  if loss_weight_fn is not None and not callable(loss_weight_fn):
-    raise TypeError(f'{loss_weight_fn=} must be callable as loss_weight_fn(*args) -> weight.')
-  if loss_weight_fn is not None and grad_reduction != 'mean':
-    raise ValueError(f"loss_weight_fn weights a mean; it does nothing with {grad_reduction=}. "
-                     f"Use grad_reduction='mean' or drop loss_weight_fn.")
+  check_loss_weight_fn(loss_weight_fn, grad_reduction, 'loss_weight_fn(*args)')
 
 
 def _leaf_axes(args: tuple, batch_axis):
@@ -165,8 +157,8 @@ def _leaf_axes(args: tuple, batch_axis):
     except (ValueError, TypeError) as error:
       raise ValueError(f'batch_axis entry {prefix!r} does not match the structure of args[{i}]: {error}') from None
     leaf_axes = [a for a, part in zip(prefix_def.flatten_up_to(prefix), parts)
-                 for _ in jax.tree_util.tree_leaves(part, is_leaf=_is_leaf)]
-    for (path, leaf), axis in zip(jax.tree_util.tree_flatten_with_path(arg, is_leaf=_is_leaf)[0], leaf_axes):
+                 for _ in jax.tree_util.tree_leaves(part, is_leaf=is_array)]
+    for (path, leaf), axis in zip(jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_array)[0], leaf_axes):
       name, ndim = f'args[{i}]{jax.tree_util.keystr(path)}', np.ndim(leaf)
       if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim):
         raise ValueError(f'{name} has shape {np.shape(leaf)}, which has no batch_axis {axis!r}. Set batch_axis to '
@@ -217,7 +209,7 @@ def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchP
              randoms) -> Sums:
   """:func:`accumulate` on each device's share of the batch (``plan``: one share's micro-batches), then the
   devices' sums added by one all-reduce. Batched states are split like the arguments; others are replicated."""
-  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=_is_leaf)
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
   # Arrays enter the shards (split or replicated); Python numbers passed whole reach the loss as they are.
   static = [a is None and not hasattr(x, 'shape') for x, a in zip(leaves, axes)]
   specs = {state: batch_spec(axis, mesh_axis) for state, axis in batched}

@@ -13,15 +13,16 @@ import brainpy.math as bm
 import jax
 import numpy as np
 
-__all__ = ['BatchLayout', 'batch_layout', 'take_samples', 'put_samples']
+__all__ = ['BatchLayout', 'batch_layout', 'is_array', 'take_samples', 'put_samples']
 
 
-def _is_leaf(x) -> bool:
+def is_array(x) -> bool:
+  """A BrainPy array is a leaf of a data pytree, not a node to flatten."""
   return isinstance(x, bm.Array)
 
 
 def _leaves_with_paths(tree):
-  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)[0]
+  return jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_array)[0]
 
 
 class BatchLayout:
@@ -64,7 +65,7 @@ def _input_axes(inputs, data_first_axis: str):
   if len(set(sizes.values())) != 1:
     raise ValueError(f'The input arrays disagree on the batch size along axis {axis} ({data_first_axis=}): '
                      f'{sizes}. Every input leaf must hold the same samples.')
-  return jax.tree_util.tree_map(lambda _: axis, inputs, is_leaf=_is_leaf), next(iter(sizes.values()))
+  return jax.tree_util.tree_map(lambda _: axis, inputs, is_leaf=is_array), next(iter(sizes.values()))
 
 
 def _target_axis(path, shape, batch_size: int, preferred: int, forced: Optional[int]) -> int:
@@ -107,7 +108,7 @@ def batch_layout(inputs, targets, data_first_axis: str, target_batch_axis: Optio
   preferred = 0 if data_first_axis == 'B' else 1
   axes = [_target_axis(path, _shape(leaf), batch_size, preferred, target_batch_axis)
           for path, leaf in _leaves_with_paths(targets)]
-  treedef = jax.tree_util.tree_structure(targets, is_leaf=_is_leaf)
+  treedef = jax.tree_util.tree_structure(targets, is_leaf=is_array)
   return BatchLayout(batch_size, input_axes, jax.tree_util.tree_unflatten(treedef, axes))
 
 
@@ -115,11 +116,11 @@ def take_samples(tree, axes, start, size: int):
   """Slice ``size`` samples beginning at ``start`` (an int or a traced index) out of every leaf."""
   return jax.tree_util.tree_map(
     lambda x, axis: jax.lax.dynamic_slice_in_dim(bm.as_jax(x), start, size, axis=axis),
-    tree, axes, is_leaf=_is_leaf)
+    tree, axes, is_leaf=is_array)
 
 
 def put_samples(tree, axes, start, values):
   """Write ``values`` into every leaf of ``tree`` at samples ``start, start + 1, ...``."""
   return jax.tree_util.tree_map(
     lambda x, axis, v: jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), start, axis=axis),
-    tree, axes, values, is_leaf=_is_leaf)
+    tree, axes, values, is_leaf=is_array)

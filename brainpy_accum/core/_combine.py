@@ -12,7 +12,7 @@ Gradients are summed in at least float32, whatever the parameters' dtype.
 import jax
 import jax.numpy as jnp
 
-__all__ = ['GRAD_REDUCTIONS', 'check_grad_reduction', 'same_type', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'sum_values', 'finish_values',
+__all__ = ['GRAD_REDUCTIONS', 'check_grad_reduction', 'check_loss_weight_fn', 'same_type', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'sum_values', 'finish_values',
            'combine_values']
 
 GRAD_REDUCTIONS = ('mean', 'sum')
@@ -25,6 +25,17 @@ def check_grad_reduction(grad_reduction) -> None:
   if grad_reduction not in GRAD_REDUCTIONS:
     raise ValueError(f"{grad_reduction=} is unknown: use 'mean' (losses that average over samples, "
                      f"reproduces whole-batch training) or 'sum' (losses that sum over samples).")
+
+
+def check_loss_weight_fn(loss_weight_fn, grad_reduction, call: str) -> None:
+  """``None``, or a callable (``call`` shows how it is called) that weights a ``'mean'``."""
+  if loss_weight_fn is None:
+    return
+  if not callable(loss_weight_fn):
+    raise TypeError(f'{loss_weight_fn=} must be callable as {call} -> weight.')
+  if grad_reduction != 'mean':
+    raise ValueError(f"loss_weight_fn weights a mean; it does nothing with {grad_reduction=}. "
+                     f"Use grad_reduction='mean' or drop loss_weight_fn.")
 
 try:  # keeps JAX's weak type, which a public astype() drops
   from jax._src.lax.lax import _convert_element_type

@@ -7,7 +7,7 @@ one compilation.
 
 from typing import NamedTuple, Optional, Tuple, Union
 
-__all__ = ['MicroBatchPlan', 'plan_micro_batches', 'check_positive_int', 'describe_remat']
+__all__ = ['MicroBatchPlan', 'plan_micro_batches', 'check_cut', 'check_positive_int', 'describe_remat']
 
 
 class MicroBatchPlan(NamedTuple):
@@ -127,13 +127,6 @@ def plan_micro_batches(
   'batch 10 = 2 x 4 + 2'
   """
   check_positive_int('batch_size', batch_size, 'An empty batch has nothing to train on: drop it from the data.')
-  if (num_micro_batch is None) == (micro_batch_size is None):
-    raise ValueError(f'Give exactly one of num_micro_batch and micro_batch_size; '
-                     f'got {num_micro_batch=} and {micro_batch_size=}.')
-  if num_micro_batch is not None:
-    check_positive_int('num_micro_batch', num_micro_batch, 'Pass e.g. num_micro_batch=4.')
-    size = -(-batch_size // num_micro_batch)
-  else:
-    check_positive_int('micro_batch_size', micro_batch_size, 'Pass e.g. micro_batch_size=32.')
-    size = min(micro_batch_size, batch_size)
+  check_cut(num_micro_batch, micro_batch_size)
+  size = -(-batch_size // num_micro_batch) if num_micro_batch is not None else min(micro_batch_size, batch_size)
   return MicroBatchPlan(batch_size, size, batch_size // size, batch_size % size)

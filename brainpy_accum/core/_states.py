@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ['all_samples', 'batched_variables', 'declared_batch_axes', 'whole_batch_variables', 'implicit_batch_axis', 'variable_batch_axis', 'batch_axis_of', 'batch_shapes', 'discover_states', 'is_state', 'loss_catching_new_states', 'named_states',
-           'prepare_states', 'whole_batch']
+           'prepare_states', 'restore_values', 'values_of', 'values_restored', 'whole_batch']
 
 
 def is_state(x) -> bool:
@@ -221,3 +221,33 @@ def all_samples(name: str, var, axis: int, batch_size: int):
                      f'the batch has {batch_size}. Call model.reset({batch_size}) first, or fit with '
                      f'reset_state=True.')
   return value if value.shape[axis] == batch_size else jnp.repeat(value, batch_size, axis=axis)
+
+
+def values_of(variables) -> list:
+  """The current values of ``variables`` (Variables, random states), to give back with :func:`restore_values`."""
+  return [v.value for v in variables]
+
+
+def restore_values(variables, values, *, any_shape: bool = False) -> None:
+  """Give ``variables`` the ``values`` that :func:`values_of` took.
+
+  Inside a traced function this is a traced write, like any ``value`` assignment. ``any_shape`` assigns
+  ``_value`` instead, bypassing the shape check, for Variables whose shape changed since (a model reset at
+  another batch size); outside traced functions only.
+  """
+  for var, value in zip(variables, values):
+    if any_shape:
+      var._value = value
+    else:
+      var.value = value
+
+
+@contextlib.contextmanager
+def values_restored(variables, *, any_shape: bool = False):
+  """While inside, ``variables`` may change (trial compilations, resets that draw random numbers); on exit,
+  also after an error, they have their values back (:func:`restore_values`)."""
+  saved = values_of(variables)
+  try:
+    yield
+  finally:
+    restore_values(variables, saved, any_shape=any_shape)

@@ -17,7 +17,6 @@ Outputs that do not carry the batch (e.g. a monitored parameter) are taken from 
 treated as constants by the gradient.
 """
 
-import warnings
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import brainpy.math as bm
@@ -25,12 +24,13 @@ import brainstate
 import jax
 import jax.numpy as jnp
 
-from ._accumulate import MicroResult, Sums, _is_leaf as is_array, accumulate
-from ._batch import take_samples
+from ._accumulate import MicroResult, Sums, accumulate
+from ._batch import is_array, take_samples
 from ._cut import MicroBatchPlan
+from ._states import restore_values, values_of
 
-__all__ = ['Devices', 'check_whole_batch_loss', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes',
-           'pull_back', 'second_sizes', 'traced_shapes', 'two_pass_sums', 'warn_coupled_loss', 'whole_batch_like']
+__all__ = ['Devices', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes', 'pull_back',
+           'second_sizes', 'traced_shapes', 'two_pass_sums', 'whole_batch_like']
 
 
 def output_axes(small, large) -> List[Optional[int]]:
@@ -172,7 +172,7 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   loss of the whole batch, pulls back its own share of the loss gradient, and returns weight ``1 / D``, so
   that the one sum over devices that follows gives the whole batch's gradient, loss and metrics.
   """
-  before = [v.value for v in replayed]
+  before = values_of(replayed)
   sums, out_axes = forward_pass(forward, args, axes, plan, states)
   outputs = sums.samples if devices is None else gather_outputs(sums.samples, out_axes, devices)
   loss, aux, cotangents = loss_and_cotangents(loss_of, outputs)
@@ -180,8 +180,7 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   loss, aux = jax.tree_util.tree_map(lambda v: v * weight, (loss, aux)) if devices is not None else (loss, aux)
   if params is None:
     return Sums(None, weight, loss, aux, None)
-  for var, value in zip(replayed, before):
-    var.value = value  # pass 2 starts where pass 1 started: same states, same random keys
+  restore_values(replayed, before)  # pass 2 starts where pass 1 started: same states, same random keys
   if devices is not None:
     cotangents = own_share(cotangents, out_axes, plan.batch_size, devices)
   grad = lambda f: lambda *a: {k: bm.as_jax(g) for k, g in bm.grad(f, grad_vars=params)(*a).items()}
@@ -194,39 +193,3 @@ def second_sizes(plan: MicroBatchPlan) -> Tuple[int, int]:
   """Two different micro-batch sizes to trace the outputs at, so that their batch axes show."""
   size = plan.micro_batch_size
   return size, (plan.remainder if plan.remainder else (size - 1 if size > 1 else 2))
-
-
-def check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps) -> None:
-  """Refuse ``whole_batch_loss`` where it is not a bool or cannot be exact, before anything is built."""
-  if not isinstance(whole_batch_loss, bool):
-    raise TypeError(f'whole_batch_loss={whole_batch_loss!r} must be True or False.')
-  if not whole_batch_loss:
-    return
-  if accumulate_steps != 1:
-    raise ValueError(f'whole_batch_loss=True with accumulate_steps={accumulate_steps!r} cannot be exact: the loss '
-                     f'of several batches together is not known from their separate losses when it couples '
-                     f'samples. Use one larger batch and more micro-batches (num_micro_batch), or '
-                     f'accumulate_steps=1.')
-  if grad_reduction != 'mean' or loss_weight_fn is not None:
-    raise ValueError(f'whole_batch_loss=True evaluates loss_fun once on the whole batch, so it needs no '
-                     f'weighting: drop grad_reduction={grad_reduction!r} and loss_weight_fn={loss_weight_fn!r} '
-                     f'(keep the defaults).')
-
-
-def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str,
-                      rtol: float = 1e-5, atol: float = 1e-6) -> bool:
-  """Warn if the loss of the whole batch differs from the combination of its micro-batch losses.
-
-  Both come from the same predictions, so a loss that is a weighted mean (``'sum'``: a sum) of per-sample
-  terms agrees to float32 round-off; one that couples the samples does not. Returns whether it warned.
-  """
-  if abs(whole - combined) <= atol + rtol * abs(whole):
-    return False
-  how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
-  warnings.warn(f'loss_fun couples the samples of a batch: on the first batch its value on the whole batch is '
-                f'{whole:.7g}, but the {how} of its values on the {plan.describe_cuts()} micro-batches is '
-                f'{combined:.7g} (difference {whole - combined:.3g}). Accumulating micro-batch gradients would '
-                f'train that other objective (e.g. a batch-wide firing-rate regulariser shrinks with the '
-                f'micro-batch). Pass whole_batch_loss=True to train the whole-batch loss exactly (about one '
-                f'extra forward pass), or make the loss a mean over samples.', UserWarning, stacklevel=2)
-  return True

@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from ..core._batch import _is_leaf
+from ..core._batch import is_array
 
 __all__ = ['chunk_candidates', 'chunk_sizes', 'host_chunk', 'combine']
 
@@ -55,7 +55,7 @@ def host_chunk(tree, axes, start: int, size: int):
   def take(x, axis):
     index = (slice(None),) * axis + (slice(start, start + size),)
     return x[index]
-  return jax.tree_util.tree_map(take, tree, axes, is_leaf=_is_leaf)
+  return jax.tree_util.tree_map(take, tree, axes, is_leaf=is_array)
 
 
 def combine(results: Sequence[Tuple[Any, dict]], weights: Optional[Sequence[float]], reduction: str):

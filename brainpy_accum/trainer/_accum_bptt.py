@@ -22,10 +22,11 @@ from ..core._combine import same_type
 from ..core._cut import MicroBatchPlan
 from ..core._mesh import auto_axes, check_mesh, random_states
 from ..core._states import whole_batch_variables
-from ..core._two_pass import Devices, check_whole_batch_loss, two_pass_sums
+from ..core._two_pass import Devices, two_pass_sums
 from ..diagnostics._compiles import Compilations
 from ..memory._budget import parse_memory
-from ._arguments import check_accumulation_args, check_remat, check_update_args, warn_batch_statistics
+from ._arguments import (check_accumulation_args, check_remat, check_update_args, check_whole_batch_loss,
+                         warn_batch_statistics)
 from ._coupled_loss import LossCheck
 from ._fit_loop import fit as run_fit
 from ._model_loss import ModelLoss

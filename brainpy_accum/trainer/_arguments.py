@@ -4,13 +4,13 @@ import math
 import warnings
 
 
-from ..core._combine import check_grad_reduction
+from ..core._combine import check_grad_reduction, check_loss_weight_fn
 from ..core._cut import check_cut, check_positive_int
 from ..memory._budget import parse_memory
 from ._errors import BareBatchError, RemovedArgumentError, ReportCallbackError
 
-__all__ = ['check_accumulation_args', 'check_remat', 'check_update_args', 'check_fit_args', 'check_data',
-           'warn_batch_statistics']
+__all__ = ['check_accumulation_args', 'check_remat', 'check_update_args', 'check_whole_batch_loss', 'check_fit_args',
+           'check_data', 'warn_batch_statistics']
 
 
 def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis,
@@ -50,12 +50,7 @@ def check_remat(remat, num_micro_batch=None, memory_budget=None) -> None:
 
 def check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite) -> None:
   """Validate ``loss_weight_fn``, ``clip_grad_norm`` and ``skip_nonfinite``."""
-  if loss_weight_fn is not None:
-    if not callable(loss_weight_fn):
-      raise TypeError(f'{loss_weight_fn=} must be callable as loss_weight_fn(inputs, targets) -> weight.')
-    if grad_reduction != 'mean':
-      raise ValueError(f"loss_weight_fn weights a mean; it does nothing with {grad_reduction=}. "
-                       f"Use grad_reduction='mean' or drop loss_weight_fn.")
+  check_loss_weight_fn(loss_weight_fn, grad_reduction, 'loss_weight_fn(inputs, targets)')
   if clip_grad_norm is not None:
     if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)):
       raise TypeError(f'{clip_grad_norm=} must be a positive number (the maximal global L2 norm) or None.')
@@ -63,6 +58,23 @@ def check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfi
       raise ValueError(f'{clip_grad_norm=} must be a positive, finite number, e.g. clip_grad_norm=1.0.')
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f'{skip_nonfinite=} must be True or False.')
+
+
+def check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps) -> None:
+  """Refuse ``whole_batch_loss`` where it is not a bool or cannot be exact, before anything is built."""
+  if not isinstance(whole_batch_loss, bool):
+    raise TypeError(f'whole_batch_loss={whole_batch_loss!r} must be True or False.')
+  if not whole_batch_loss:
+    return
+  if accumulate_steps != 1:
+    raise ValueError(f'whole_batch_loss=True with accumulate_steps={accumulate_steps!r} cannot be exact: the loss '
+                     f'of several batches together is not known from their separate losses when it couples '
+                     f'samples. Use one larger batch and more micro-batches (num_micro_batch), or '
+                     f'accumulate_steps=1.')
+  if grad_reduction != 'mean' or loss_weight_fn is not None:
+    raise ValueError(f'whole_batch_loss=True evaluates loss_fun once on the whole batch, so it needs no '
+                     f'weighting: drop grad_reduction={grad_reduction!r} and loss_weight_fn={loss_weight_fn!r} '
+                     f'(keep the defaults).')
 
 
 def warn_batch_statistics(model) -> None:

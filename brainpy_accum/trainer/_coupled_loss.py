@@ -18,10 +18,10 @@ from brainpy.running import constants as c
 from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import random_states
-from ..core._states import whole_batch_variables
-from ..core._two_pass import forward_pass, warn_coupled_loss
+from ..core._states import values_restored, whole_batch_variables
+from ..core._two_pass import forward_pass
 
-__all__ = ['LossCheck', 'whole_and_combined_loss', 'check_loss']
+__all__ = ['LossCheck', 'whole_and_combined_loss', 'check_loss', 'warn_coupled_loss']
 
 
 def whole_and_combined_loss(forward: Callable, loss_of: Callable, weigh: Callable, args: tuple, axes,
@@ -41,18 +41,34 @@ def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, red
 
   A check that fails warns instead of raising: it must never stop training that would run without it.
   """
-  saved = [v.value for v in variables]
-  try:
-    whole, combined = compare()
-  except Exception as error:
-    warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
-                  f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
-                  UserWarning, stacklevel=4)
-    return
-  finally:
-    for var, value in zip(variables, saved):
-      var.value = value
+  with values_restored(variables):
+    try:
+      whole, combined = compare()
+    except Exception as error:
+      warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
+                    f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
+                    UserWarning, stacklevel=4)
+      return
   warn_coupled_loss(float(whole), float(combined), plan, reduction)
+
+
+def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str,
+                      rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+  """Warn if the loss of the whole batch differs from the combination of its micro-batch losses.
+
+  Both come from the same predictions, so a loss that is a weighted mean (``'sum'``: a sum) of per-sample
+  terms agrees to float32 round-off; one that couples the samples does not. Returns whether it warned.
+  """
+  if abs(whole - combined) <= atol + rtol * abs(whole):
+    return False
+  how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
+  warnings.warn(f'loss_fun couples the samples of a batch: on the first batch its value on the whole batch is '
+                f'{whole:.7g}, but the {how} of its values on the {plan.describe_cuts()} micro-batches is '
+                f'{combined:.7g} (difference {whole - combined:.3g}). Accumulating micro-batch gradients would '
+                f'train that other objective (e.g. a batch-wide firing-rate regulariser shrinks with the '
+                f'micro-batch). Pass whole_batch_loss=True to train the whole-batch loss exactly (about one '
+                f'extra forward pass), or make the loss a mean over samples.', UserWarning, stacklevel=2)
+  return True
 
 
 class LossCheck:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core._batch import is_array
 from ..memory._remat import checkpointed_time_loop
 
 __all__ = ['ModelLoss']
@@ -37,11 +38,11 @@ class ModelLoss:
     """What ``loss_fun`` receives for ``inputs``: the outputs, and the monitors if any (as in bp.BPTT)."""
     indices = np.arange(self.i0, self.i0 + self._get_input_time_step(xs=inputs), dtype=np.int_)
     if isinstance(self.target.mode, bm.BatchingMode) and self.data_first_axis == 'B':
-      inputs = jax.tree_util.tree_map(lambda x: bm.moveaxis(x, 0, 1), inputs, is_leaf=lambda x: isinstance(x, bm.Array))
+      inputs = jax.tree_util.tree_map(lambda x: bm.moveaxis(x, 0, 1), inputs, is_leaf=is_array)
     outs, mons = self._predict(indices, *(inputs if isinstance(inputs, (tuple, list)) else (inputs,)),
                                shared_args=shared_args)
     predicts = (outs, mons) if len(mons) > 0 else outs
-    return jax.tree_util.tree_map(bm.as_jax, predicts, is_leaf=lambda x: isinstance(x, bm.Array))
+    return jax.tree_util.tree_map(bm.as_jax, predicts, is_leaf=is_array)
 
   def _loss_of(self, predicts, targets):
     return self._checked_aux(self._loss_func(predicts, targets))

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from ..core._batch import BatchLayout, batch_layout
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import batch_spec, check_divisible, mesh_size, place, random_states
-from ..core._states import batched_variables
+from ..core._states import batched_variables, values_restored
 from ..memory._budget import choose_micro_batch_size, compiled_step_bytes, format_memory
 from ..memory._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ..memory._oom import finer_plan
@@ -216,9 +216,8 @@ class Planning:
     """
     batch_size = layout.batch_size
     variables = list(self.vars().unique().values()) + random_states(self.target)
-    saved = [v.value for v in variables]  # resets draw random numbers: all is put back as it was
     fitting = []
-    try:
+    with values_restored(variables, any_shape=True):  # resets draw random numbers: all is put back as it was
       for chunk in chunk_candidates(batch_size):
         chunk_data = [host_chunk(tree, axes, 0, chunk) for tree, axes in
                       ((inputs, layout.input_axes), (targets, layout.target_axes))]
@@ -231,9 +230,6 @@ class Planning:
         fitting.append(chunk)
         if self.memory_plans[chunk][0].num_micro_batches == 1:
           break
-    finally:
-      for var, value in zip(variables, saved):
-        var._value = value
     if not fitting:
       raise error
     chunk = max(fitting, key=lambda c: (self.memory_plans[c][0].micro_batch_size, c))

@@ -14,6 +14,7 @@ import brainstate
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from ..core._batch import is_array
 from ..core._mesh import batch_spec, per_device_random, sum_across_devices
 
 __all__ = ['on_mesh']
@@ -27,7 +28,7 @@ def on_mesh(sums_of: Callable, settle: Callable, mesh: Mesh, axis: str, args: tu
   the Variables split over the mesh (others are replicated); ``random``: the random states each device
   folds with its index while it computes its sums (:func:`._mesh.per_device_random`).
   """
-  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=lambda x: isinstance(x, bm.Array))
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
   across = functools.partial(sum_across_devices, mesh_axis=axis)
 
   def local(*local_leaves):
