@@ -68,7 +68,7 @@ def measure_planner(workload: str = 'rnn', shape: Shape = SHAPE, fractions: Sequ
   trials = {}
   for size, remat in grid:
     plan = plan_micro_batches(shape.batch, micro_batch_size=size)._replace(remat=remat)
-    trials[size, remat] = timer._compile_trial(plan, FIT, x, y)
+    trials[size, remat] = timer.compile_trial(x, y, FIT, plan=plan)
   seconds = dict(zip(trials, time_steps([run for _, run in trials.values()], rounds)))
   plans = []
   for (size, remat), (compiled, _) in sorted(trials.items(), key=lambda item: (item[0][1], -item[0][0])):

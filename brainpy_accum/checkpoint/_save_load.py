@@ -15,7 +15,7 @@ window, live on all processes' devices), process 0 alone writes the file, and
 all wait until it is in place. Stale temporary files of processes that died
 while writing are removed at the next save.
 
-:meth:`fit` adds where the run stands (:class:`._resume.Progress`) and its
+:meth:`fit` adds where the run stands (:class:`~brainpy_accum.checkpoint.Progress`) and its
 metric history, so that ``fit(..., checkpoint=path)`` can resume.
 """
 
@@ -31,21 +31,22 @@ from jax.experimental import multihost_utils
 
 from ._resume import Progress
 
-__all__ = ['FORMAT', 'Checkpoints', 'checkpoint_groups', 'save', 'load']
+__all__ = ['FORMAT', 'checkpoint_groups', 'save', 'load']
 
 FORMAT = 'brainpy_accum.checkpoint.v1'
 
 
-def checkpoint_groups(trainer) -> Dict[str, Dict[str, bm.Variable]]:
-  """Every Variable a checkpoint holds, by group, in a stable order."""
+def checkpoint_groups(trainer, window) -> Dict[str, Dict[str, bm.Variable]]:
+  """Every Variable a checkpoint holds, by group, in a stable order; ``window``: the trainer's
+  ``accumulate_steps`` window (:class:`~brainpy_accum.trainer._window.GradWindow`), or ``None``."""
   params = dict(trainer.target.train_vars().unique())
   taken = {id(v) for v in params.values()}
   model_state = {k: v for k, v in trainer.target.vars().unique().items() if id(v) not in taken}
   taken |= {id(v) for v in model_state.values()}
   optimizer = {k: v for k, v in trainer.optimizer.vars().unique().items() if id(v) not in taken}
   counters = {'skipped_steps': trainer.skipped_steps}
-  if trainer._window is not None:
-    counters.update({f'window/{k}': v for k, v in trainer._window.variables().items()})
+  if window is not None:
+    counters.update({f'window/{k}': v for k, v in window.variables().items()})
   return {'params': params, 'model_state': model_state, 'optimizer': optimizer, 'counters': counters,
           'random': {'default': bm.random.DEFAULT}}
 
@@ -92,12 +93,13 @@ def _weak(value: np.ndarray):
     return value
 
 
-def save(trainer, path: str, run: Optional[Tuple[Progress, Dict[str, dict]]] = None) -> str:
-  """Write the trainer's checkpoint to ``path`` atomically; return ``path``.
+def save(trainer, path: str, window, run: Optional[Tuple[Progress, Dict[str, dict]]] = None) -> str:
+  """Write the trainer's checkpoint (with its ``accumulate_steps`` ``window``, or ``None``) to ``path``
+  atomically; return ``path``.
 
   ``run``: :meth:`fit`'s ``(progress, {phase: PhaseLog.state()})``, kept beside the Variables.
   """
-  groups = checkpoint_groups(trainer)
+  groups = checkpoint_groups(trainer, window)
   tree = {'format': FORMAT,
           'values': {g: {_key(i): _to_host(v.value) for i, v in enumerate(vs.values())} for g, vs in groups.items()},
           'names': {g: {_key(i): name for i, name in enumerate(vs)} for g, vs in groups.items()}}
@@ -175,14 +177,15 @@ def _check_group(path, group, variables, stored) -> None:
                        f'Nothing was loaded.')
 
 
-def load(trainer, path: str) -> Optional[Tuple[Progress, Dict[str, dict]]]:
-  """Restore ``trainer`` from ``path``; raises before assigning anything if the file does not fit.
+def load(trainer, path: str, window) -> Optional[Tuple[Progress, Dict[str, dict]]]:
+  """Restore ``trainer`` (and its ``accumulate_steps`` ``window``, or ``None``) from ``path``; raises before
+  assigning anything if the file does not fit.
 
   Returns the ``(progress, history)`` that :meth:`fit` saved with it (``None`` for a checkpoint saved by hand).
   """
   path = os.fspath(path)
   tree = _read(path)
-  groups = checkpoint_groups(trainer)
+  groups = checkpoint_groups(trainer, window)
   for group, variables in groups.items():
     if group not in tree['values']:
       raise ValueError(f'Checkpoint path={path!r} lacks the {group} group. Nothing was loaded.')
@@ -198,41 +201,3 @@ def _run_of(tree: dict) -> Optional[Tuple[Progress, Dict[str, dict]]]:
     return None
   progress = Progress(**{k: int(v) for k, v in tree['progress'].items()})
   return progress._replace(trained_all=bool(progress.trained_all)), tree.get('history', {})
-
-
-class Checkpoints:
-  """:meth:`save_checkpoint` and :meth:`load_checkpoint` of :class:`~brainpy_accum.AccumBPTT` (a mixin)."""
-
-  def save_checkpoint(self, path: str) -> str:
-    """Save parameters, model state, optimizer state (learning-rate step included), accumulation counters and
-    BrainPy's global random state to ``path``, atomically (temporary file, then rename).
-
-    :meth:`save_state` / :meth:`load_state` and ``state_dict`` keep their BrainPy meanings.
-
-    Examples
-    --------
-    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
-    >>> from brainpy_accum import AccumBPTT
-    >>> with bm.training_environment():
-    ...   model = bp.dnn.Dense(2, 2)
-    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
-    >>> path = trainer.save_checkpoint(os.path.join(tempfile.mkdtemp(), 'run.ckpt'))
-    >>> trainer.load_checkpoint(path)
-    """
-    return save(self, path)
-
-  def load_checkpoint(self, path: str) -> None:
-    """Restore what :meth:`save_checkpoint` wrote; a corrupt or mismatched file raises and changes nothing.
-
-    Examples
-    --------
-    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
-    >>> from brainpy_accum import AccumBPTT
-    >>> with bm.training_environment():
-    ...   model = bp.dnn.Dense(2, 2)
-    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
-    >>> trainer.load_checkpoint(os.path.join(tempfile.mkdtemp(), 'missing.ckpt'))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    FileNotFoundError: No checkpoint at path=...
-    """
-    load(self, path)

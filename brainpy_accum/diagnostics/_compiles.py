@@ -33,7 +33,7 @@ def count_compilations() -> Iterator[Callable[[], int]]:
 
 
 class Compilations:
-  """:attr:`compilations` of :class:`~brainpy_accum.AccumBPTT` (a mixin; ``_compilations`` is set by the trainer)."""
+  """:attr:`compilations` of :class:`~brainpy_accum.AccumBPTT` (a mixin that keeps its own counts)."""
 
   @property
   def compilations(self) -> Dict[str, int]:
@@ -57,8 +57,12 @@ class Compilations:
     >>> trainer.compilations
     {'fit': 1, 'loss': 0}
     """
-    return dict(self._compilations)
+    return dict(self._compilation_counts)
+
+  @property
+  def _compilation_counts(self) -> Dict[str, int]:
+    return self.__dict__.setdefault('_compilations', {'fit': 0, 'loss': 0})
 
   def _note_compilations(self, phase: str, count: int) -> None:
     """Add ``count`` XLA compilations to :attr:`compilations` (``phase`` is ``'fit'`` or ``'loss'``)."""
-    self._compilations[phase] += count
+    self._compilation_counts[phase] += count

@@ -1,36 +1,44 @@
 """``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation over micro-batches inside one compiled step.
 
-The class is a thin client: the step of one batch is :mod:`._step` (built on the core's
-:func:`._core.accumulate`; on a mesh wrapped by :mod:`._sharded`), the two-pass mode :mod:`._two_pass`,
-the default mode's loss check :mod:`._loss_check`, the epochs :mod:`._fit_loop`, planning and placement
-:mod:`._planning`, checkpoints :mod:`._checkpoint`.
+The class is a thin client: the step of one batch is :mod:`~brainpy_accum.trainer._step` (built on the core's
+:func:`~brainpy_accum.core.accumulate`; on a mesh wrapped by :mod:`~brainpy_accum.trainer._sharded`), the
+two-pass mode :mod:`~brainpy_accum.core._two_pass`, the default mode's loss check
+:mod:`~brainpy_accum.trainer._coupled_loss`, the epochs :mod:`~brainpy_accum.trainer._fit_loop`, plans per
+batch size :mod:`~brainpy_accum.trainer._plans`, checkpoints :mod:`brainpy_accum.checkpoint`. This class hands
+each of them what it calls (the loop's :class:`~brainpy_accum.trainer._fit_loop.TrainerParts`, the planner's
+:class:`~brainpy_accum.trainer._plans.Compilers`, the checkpoint's window): none of them reads its private
+attributes.
 """
 
+import contextlib
 import functools
 import os
-from typing import Callable, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import brainpy as bp
 import brainpy.math as bm
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from brainpy import tools
+from jax.sharding import Mesh, PartitionSpec
 from brainpy.running import constants as c
 
-from ..checkpoint._save_load import Checkpoints
+from ..checkpoint._save_load import load as load_checkpoint
+from ..checkpoint._save_load import save as save_checkpoint
 from ..core._combine import same_type
 from ..core._cut import MicroBatchPlan
-from ..core._mesh import auto_axes, check_mesh, random_states
+from ..core._mesh import auto_axes, check_mesh, place, random_states
 from ..core._states import whole_batch_variables
 from ..core._two_pass import Devices, two_pass_sums
 from ..diagnostics._compiles import Compilations
-from ..memory._budget import parse_memory
+from ..memory._budget import compiled_step_bytes, parse_memory
 from ._arguments import (check_accumulation_args, check_remat, check_update_args, check_whole_batch_loss,
                          warn_batch_statistics)
-from ._coupled_loss import LossCheck
+from ._coupled_loss import check_first_batch
+from ._fit_loop import TrainerParts
 from ._fit_loop import fit as run_fit
 from ._model_loss import ModelLoss
-from ._plans import Planning
+from ._plans import Compilers, Planning
 from ._sharded import on_mesh
 from ._step import Settled, batch_sums, micro_step, same, settle
 from ._update import clip_by_global_norm, guarded_update
@@ -40,7 +48,7 @@ __all__ = ['AccumBPTT']
 
 
 
-class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BPTT):
+class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
   """Back-propagation through time with gradient accumulation over micro-batches.
 
   A drop-in replacement for :class:`brainpy.BPTT`: the same constructor
@@ -242,8 +250,6 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     self._window = GradWindow(self.target.train_vars().unique(), copies) if self._needs_window else None
     self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
     self.trace_counts = {'fit': 0, 'loss': 0}
-    self._finer_plans: Dict[int, MicroBatchPlan] = {}  # batch sizes re-planned after running out of memory
-    self._compilations = {'fit': 0, 'loss': 0}
     self._jit_steps()
 
   def _jit_steps(self) -> None:
@@ -329,10 +335,188 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
     (Python's raises KeyboardInterrupt; SIGTERM's default ends the process; one that returns ends ``fit``).
     An ignored signal stays ignored. A second Ctrl-C stops at once, without a checkpoint.
     """
-    run_fit(self, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
+    parts = TrainerParts(check_batch=self._check_batch, place_on_mesh=self.place_on_mesh,
+                         check_loss_once=self._check_loss_once,
+                         replan_finer=functools.partial(self._replan_finer, rebuild=self._jit_steps),
+                         note_compilations=self._note_compilations, step=self._step_of,
+                         without_time_step_bars=self._without_time_step_bars, window=self._window)
+    run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
 
+  def _check_loss_once(self, shared_args, inputs, targets) -> None:
+    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once)."""
+    if self._loss_checked:
+      return
+    self._loss_checked = True
+    variables = list(self.vars().unique().values()) + random_states(self.target)
+    with self._without_time_step_bars():
+      check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
+                        plan_for=self.plan_for, forward=self._forward, loss_of=self._loss_of, weigh=self._weigh,
+                        variables=variables, jit=self.jit[c.FIT_PHASE], reduction=self.grad_reduction)
+
+  # ------------------------------------------------------------------ placement, plans, checkpoints
+
+  def place_on_mesh(self, batch_size: Optional[int] = None) -> None:
+    """Put the trainer's Variables on the mesh: model states split along their batch axis, the
+    ``accumulate_steps`` window one row per device, everything else (parameters, optimizer state,
+    counters, random keys) replicated. :meth:`fit` calls it before every step; without a mesh it does nothing.
+    """
+    if self.mesh is None:
+      return
+    split = self._split_variables(self._window, batch_size)
+    specs = {id(var): spec for var, spec in split}
+    variables = list(self.vars().unique().values()) + [var for var, _ in split] + random_states(self.target)
+    place([(var, specs.get(id(var), PartitionSpec())) for var in variables], self.mesh)
+
+
+  def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None, *,
+                  step_time: Optional[Callable[[Sequence[MicroBatchPlan]], Sequence[float]]] = None
+                  ) -> MicroBatchPlan:
+    """Choose and cache the fewest micro-batches whose compiled train step fits ``memory_budget``.
+
+    Each candidate micro-batch size is compiled ahead of time and measured
+    with XLA's memory analysis; no step runs and nothing changes but the
+    cached choice, which is printed and kept in :attr:`memory_plans` as
+    ``{batch_size: (plan, bytes)}``.
+
+    With ``remat='auto'`` the choice is the fastest plan that fits instead:
+    for remat off and remat every ``sqrt(T)`` steps, the largest micro-batch
+    that fits and two finer cuts are compiled, and the fitting ones are timed
+    with trial steps on this batch (the compiled step run on the current
+    Variable values, its results discarded: no Variable or random key
+    changes). The candidates and the reason are printed; the plan's
+    :attr:`~MicroBatchPlan.remat` is used when the step is traced.
+    ``step_time(plans) -> seconds`` replaces the trial steps (e.g. a cost model).
+
+    Raises
+    ------
+    ValueError
+      If one sample per micro-batch does not fit either (the message gives
+      the smallest budget that would).
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 16), bp.dnn.Dense(16, 2))
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch='auto', memory_budget='64KiB')
+    >>> x, y = np.ones((32, 20, 3), 'float32'), np.zeros((32, 20, 2), 'float32')
+    >>> plan = trainer.plan_memory(x, y)  # doctest: +ELLIPSIS
+    memory plan: batch 32 = ... micro-batches), train step ... of memory_budget 64.0 KiB
+    >>> trainer.memory_plans[32][1] <= 64 * 1024
+    True
+    """
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    return self._plan_memory(inputs, targets, shared_args, step_time,
+                             Compilers(self.compiled_step_bytes, self._trial), self._may_stream)
+
+  def _trial(self, plan: MicroBatchPlan, shared_args, inputs, targets):
+    return self.compile_trial(inputs, targets, shared_args, plan=plan)
+
+  def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
+    """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
+
+    The model state enters at its current size, as :meth:`fit` leaves it before a step
+    (reset at the batch size); nothing is executed and nothing changes. With a
+    mesh the figure is per device.
+    """
+    return compiled_step_bytes(self.compile_step(inputs, targets, shared_args, plan=plan, via_window=via_window))
+
+  def compile_step(self, inputs, targets, shared_args: Optional[Dict] = None,
+                   plan: Optional[MicroBatchPlan] = None, update: bool = True, via_window: bool = False):
+    """The train step for this batch shape, compiled ahead of time by XLA; nothing runs, nothing changes.
+
+    Returns JAX's compiled object: ``memory_analysis()`` gives its memory
+    (per device with a mesh), ``as_text()`` its optimised HLO, e.g. to count
+    the cross-device reductions (``all-reduce``) of a sharded step. The model
+    state enters at its current size: call ``model.reset(batch_size)`` first,
+    as :meth:`fit` does. ``plan`` overrides the trainer's micro-batch plan;
+    ``update=False`` compiles the step that only adds a batch to the
+    ``accumulate_steps`` window; ``via_window=True`` the step that passes its
+    gradient through the window (that of a streamed batch's last chunk).
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 8), bp.dnn.Dense(8, 2))
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=4)
+    >>> x, y = np.ones((16, 5, 3), 'float32'), np.zeros((16, 5, 2), 'float32')
+    >>> model.reset(16)
+    >>> compiled = trainer.compile_step(x, y)
+    >>> compiled.memory_analysis().temp_size_in_bytes > 0
+    True
+    """
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update, via_window=via_window),
+                  static_argnums=(0,))
+    with self._without_time_step_bars(), self._tracing(plan):
+      return step.compile(shared_args, inputs, targets)
+
+  def compile_trial(self, inputs, targets, shared_args: Optional[Dict] = None, *, plan: MicroBatchPlan):
+    """``(compiled, run)``: the train step compiled for ``plan``, and ``run()``, a trial of it that changes nothing.
+
+    ``run()`` calls the executable on the current Variable values and drops its new values, so that nothing
+    (parameters, optimizer, random keys) changes: the trial steps that ``remat='auto'`` times, for timing plans
+    outside :meth:`plan_memory` (as ``python -m brainpy_accum.bench.planner`` does).
+    """
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    step = bm.jit(functools.partial(self._train_step, plan=plan), static_argnums=(0,))
+    with self._without_time_step_bars(), self._tracing(plan):
+      values = step.stateful_fun.get_state_trace(shared_args, inputs, targets, compile_if_miss=True).get_state_values()
+      compiled = step.jitted_fun.lower(values, shared_args, inputs, targets).compile()
+    return compiled, lambda: jax.block_until_ready(compiled(values, inputs, targets))
+
+  @contextlib.contextmanager
+  def _without_time_step_bars(self):
+    """Trace steps without bp.BPTT's per-time-step progress bars (host callbacks inside the compiled step)."""
+    shown, self.progress_bar = self.progress_bar, False
+    try:
+      yield
+    finally:
+      self.progress_bar = shown
+
+  def save_checkpoint(self, path: str) -> str:
+    """Save parameters, model state, optimizer state (learning-rate step included), accumulation counters and
+    BrainPy's global random state to ``path``, atomically (temporary file, then rename).
+
+    :meth:`save_state` / :meth:`load_state` and ``state_dict`` keep their BrainPy meanings.
+
+    Examples
+    --------
+    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> path = trainer.save_checkpoint(os.path.join(tempfile.mkdtemp(), 'run.ckpt'))
+    >>> trainer.load_checkpoint(path)
+    """
+    return save_checkpoint(self, path, self._window)
+
+  def load_checkpoint(self, path: str) -> None:
+    """Restore what :meth:`save_checkpoint` wrote; a corrupt or mismatched file raises and changes nothing.
+
+    Examples
+    --------
+    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> trainer.load_checkpoint(os.path.join(tempfile.mkdtemp(), 'missing.ckpt'))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    FileNotFoundError: No checkpoint at path=...
+    """
+    load_checkpoint(self, path, self._window)
+
   # ------------------------------------------------------------------ compiled steps
+
+  def _step_of(self, kind: str):
+    """The compiled step that the fit loop runs: ``'loss'``, ``'fit'``, ``'collect'`` or ``'close'``."""
+    return {'loss': self.f_loss, 'fit': self.f_train, 'collect': self._f_collect, 'close': self._f_close}[kind]
 
   @property
   def f_loss(self):
@@ -383,7 +567,8 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
 
   def _run_batch(self, shared_args, inputs, targets, with_grads: bool, update: bool = True,
                  plan: Optional[MicroBatchPlan] = None, via_window: bool = False) -> Settled:
-    """One batch through :mod:`._step`: this device's sums, then settled (on a mesh: in ``shard_map``)."""
+    """One batch through :mod:`~brainpy_accum.trainer._step`: this device's sums, then settled (on a mesh: in
+    ``shard_map``)."""
     layout = self._check_batch(inputs, targets)
     plan = plan or self.plan_for(layout.batch_size)
     window = self._window if with_grads and via_window else None
@@ -400,12 +585,13 @@ class AccumBPTT(Planning, ModelLoss, LossCheck, Compilations, Checkpoints, bp.BP
                                  with_grads, window=window, update=update)
       if self.mesh is None:
         return finish(sums_of((inputs, targets)), same)
-      specs = dict(self._split_variables(with_window=window is not None, batch_size=layout.batch_size))
+      specs = dict(self._split_variables(window, layout.batch_size))
       return on_mesh(sums_of, finish, self.mesh, self.mesh_axis, (inputs, targets), axes, specs,
                      random_states(self.target))
 
   def _two_passes(self, shared_args, targets, params):
-    """``whole_batch_loss=True``: the core's two passes (:mod:`._two_pass`) as ``two_passes(args, axes, plan, states)``."""
+    """``whole_batch_loss=True``: the core's two passes (:mod:`~brainpy_accum.core._two_pass`) as
+    ``two_passes(args, axes, plan, states)``."""
     replayed = [v for v in self.target.vars().unique().values() if not isinstance(v, bm.TrainVar)]
     replayed += [v for v in random_states(self.target) if all(v is not r for r in replayed)]
     devices = None if self.mesh is None else Devices(self.mesh_axis, self.num_devices)

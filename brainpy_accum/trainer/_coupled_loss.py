@@ -7,21 +7,18 @@ and the combination of the micro-batch losses, from the same predictions; if the
 by how much and points to ``whole_batch_loss=True``. The check changes nothing and never stops training.
 """
 
-import functools
 import warnings
 from typing import Callable, Sequence
 
 import brainpy.math as bm
 import jax
-from brainpy.running import constants as c
 
 from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan, plan_micro_batches
-from ..core._mesh import random_states
 from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import forward_pass
 
-__all__ = ['LossCheck', 'whole_and_combined_loss', 'check_loss', 'warn_coupled_loss']
+__all__ = ['check_first_batch', 'check_loss', 'warn_coupled_loss', 'whole_and_combined_loss']
 
 
 def whole_and_combined_loss(forward: Callable, loss_of: Callable, weigh: Callable, args: tuple, axes,
@@ -47,7 +44,7 @@ def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, red
     except Exception as error:
       warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
                     f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
-                    UserWarning, stacklevel=4)
+                    UserWarning, stacklevel=5)  # fit's line
       return
   warn_coupled_loss(float(whole), float(combined), plan, reduction)
 
@@ -71,27 +68,27 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
   return True
 
 
-class LossCheck:
-  """The check as a mixin of :class:`~brainpy_accum.AccumBPTT`: :meth:`fit` calls it at each batch; it runs once."""
+def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan_for: Callable,
+                      forward: Callable, loss_of: Callable, weigh: Callable, variables: Sequence, jit: bool,
+                      reduction: str) -> None:
+  """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values.
 
-  def _check_loss_once(self, shared_args, inputs, targets) -> None:
-    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values."""
-    if self._loss_checked:
-      return
-    self._loss_checked = True
-    layout = self._check_batch(inputs, targets)
-    plan = plan_micro_batches(layout.batch_size, micro_batch_size=self.plan_for(layout.batch_size).micro_batch_size)
-    if plan.num_micro_batches == 1:
-      return
-    compare = functools.partial(self._whole_and_combined_loss, plan=plan)
-    compare = bm.jit(compare, static_argnums=(0,)) if self.jit[c.FIT_PHASE] else compare
-    variables = list(self.vars().unique().values()) + random_states(self.target)
-    with self._without_time_step_bars():
-      check_loss(lambda: compare(shared_args, inputs, targets), variables, plan, self.grad_reduction)
+  ``check_batch(inputs, targets) -> BatchLayout``; ``plan_for(batch_size)``: the batch's micro-batches;
+  ``forward(shared_args)``: the ``forward(micro_args, size)`` of :func:`whole_and_combined_loss`;
+  ``loss_of(predicts, targets) -> (loss, aux)``; ``weigh(micro_args, size)``: a micro-batch's weight;
+  ``variables``: what the check must leave as it found it; ``jit``: compile the forward pass.
+  """
+  layout = check_batch(inputs, targets)
+  plan = plan_micro_batches(layout.batch_size, micro_batch_size=plan_for(layout.batch_size).micro_batch_size)
+  if plan.num_micro_batches == 1:
+    return
 
-  def _whole_and_combined_loss(self, shared_args, inputs, targets, plan: MicroBatchPlan):
-    layout = self._check_batch(inputs, targets)
+  def compare(shared_args, inputs, targets):
+    layout = check_batch(inputs, targets)
     axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
-    with whole_batch_variables(self.target, layout.batch_size) as states:
-      return whole_and_combined_loss(self._forward(shared_args), self._loss_of, self._weigh, (inputs, targets),
-                                     axes, plan, states, self.grad_reduction)
+    with whole_batch_variables(model, layout.batch_size) as states:
+      return whole_and_combined_loss(forward(shared_args), loss_of, weigh, (inputs, targets), axes, plan, states,
+                                     reduction)
+
+  compare = bm.jit(compare, static_argnums=(0,)) if jit else compare
+  check_loss(lambda: compare(shared_args, inputs, targets), variables, plan, reduction)

@@ -4,13 +4,13 @@ Kept apart from the trainer so the loop reads in one sitting. It records what
 :class:`brainpy.BPTT` records (per-batch losses and metrics, report-window
 means) and adds to each report line how the batch was cut, how many batches
 make one update and, with ``skip_nonfinite``, how many were skipped. With a
-``checkpoint`` path it saves where the run stands (:mod:`._resume`) and, run
+``checkpoint`` path it saves where the run stands (:mod:`brainpy_accum.checkpoint`) and, run
 again, resumes from there.
 """
 
 import itertools
 import os
-from typing import Any, Callable, Dict, NamedTuple, Optional, Sized, Tuple, cast
+from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Sized, Tuple, cast
 
 import brainpy.math as bm
 import brainstate.environ
@@ -28,7 +28,19 @@ from ._arguments import check_data, check_fit_args
 from ._report import PhaseLog
 from ._window import steps_for_epoch, with_last_flag
 
-__all__ = ['LoopOptions', 'Run', 'fit', 'run_epoch']
+__all__ = ['LoopOptions', 'Run', 'TrainerParts', 'fit', 'run_epoch']
+
+
+class TrainerParts(NamedTuple):
+  """What the loop calls on the trainer beyond its public attributes, handed over by the trainer itself."""
+  check_batch: Callable[[Any, Any], Any]         # (inputs, targets) -> BatchLayout; raises before anything changes
+  place_on_mesh: Callable[[int], None]           # (batch_size): the Variables on the mesh (nothing without one)
+  check_loss_once: Callable[[Any, Any, Any], None]  # (shared_args, inputs, targets): the first batch's loss check
+  replan_finer: Callable[[int], str]             # (batch_size) -> what changed, after running out of memory
+  note_compilations: Callable[[str, int], None]  # (phase, count): XLA compilations of a step
+  step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
+  without_time_step_bars: Callable[[], ContextManager]  # tracing without per-time-step progress bars
+  window: Any                                    # the accumulate_steps window (GradWindow) or None, for checkpoints
 
 
 class LoopOptions(NamedTuple):
@@ -43,8 +55,8 @@ class LoopOptions(NamedTuple):
 class Run:
   """One :meth:`fit` call's progress, its metric logs and its checkpoints."""
 
-  def __init__(self, trainer, checkpoint: Optional[str], checkpoint_every: Optional[int]):
-    self.trainer, self.checkpoint, self.every = trainer, checkpoint, checkpoint_every
+  def __init__(self, trainer, window, checkpoint: Optional[str], checkpoint_every: Optional[int]):
+    self.trainer, self.window, self.checkpoint, self.every = trainer, window, checkpoint, checkpoint_every
     self.logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
     self.progress = Progress()
     self._test_log_at_start: Optional[dict] = None  # the test log before the running test pass
@@ -53,7 +65,7 @@ class Run:
     """Continue from the checkpoint if one exists (a checkpoint saved by hand: its state, from epoch 0)."""
     if self.checkpoint is None or not os.path.exists(self.checkpoint):
       return
-    saved = load(self.trainer, self.checkpoint)
+    saved = load(self.trainer, self.checkpoint, self.window)
     if saved is not None:
       self.progress, history = saved
       for phase, log in self.logs.items():
@@ -85,12 +97,16 @@ class Run:
     history = {phase: log.state() for phase, log in self.logs.items()}
     if self._test_log_at_start is not None:
       history['test'] = self._test_log_at_start
-    save(self.trainer, self.checkpoint, (self.progress, history))
+    save(self.trainer, self.checkpoint, self.window, (self.progress, history))
 
 
-def fit(trainer, train_data, test_data, num_epoch: int, num_report: int, reset_state: bool, shared_args,
-        fun_after_report: Optional[Callable], batch_size, checkpoint=None, checkpoint_every=None) -> None:
-  """:meth:`AccumBPTT.fit`: check the arguments, run (or resume) the epochs, keep the metrics as ``bp.BPTT``."""
+def fit(trainer, parts: TrainerParts, train_data, test_data, num_epoch: int, num_report: int, reset_state: bool,
+        shared_args, fun_after_report: Optional[Callable], batch_size, checkpoint=None, checkpoint_every=None) -> None:
+  """:meth:`AccumBPTT.fit`: check the arguments, run (or resume) the epochs, keep the metrics as ``bp.BPTT``.
+
+  ``trainer`` is read through its public attributes (and bp.BPTT's history, which the loop fills);
+  everything else the loop calls comes in ``parts``.
+  """
   check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size, shared_args)
   checkpoint_every = check_checkpoint_args(checkpoint, checkpoint_every)
   check_data('train_data', train_data)
@@ -98,19 +114,19 @@ def fit(trainer, train_data, test_data, num_epoch: int, num_report: int, reset_s
     check_data('test_data', test_data)
   shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
   options = LoopOptions(num_report, reset_state, shared_args, fun_after_report, show_bars=trainer.progress_bar)
-  run = Run(trainer, None if checkpoint is None else os.fspath(checkpoint), checkpoint_every)
+  run = Run(trainer, parts.window, None if checkpoint is None else os.fspath(checkpoint), checkpoint_every)
   run.resume()
   logs = run.logs
   try:
-    with trainer._without_time_step_bars(), brainstate.environ.context(fit=True), deferred_signals() as stop:
+    with parts.without_time_step_bars(), brainstate.environ.context(fit=True), deferred_signals() as stop:
       for epoch in range(run.progress.epoch, num_epoch):
         if not run.progress.trained_all:
-          run_epoch(trainer, 'fit', train_data, logs['fit'], epoch, options, run, stop)
+          run_epoch(trainer, parts, 'fit', train_data, logs['fit'], epoch, options, run, stop)
           trainer.optimizer.lr.step_epoch()
           run.progress = run.progress._replace(trained_all=True)
         if test_data is not None:
           run.test_starts()
-          run_epoch(trainer, 'test', test_data, logs['test'], epoch, options, run, stop)
+          run_epoch(trainer, parts, 'test', test_data, logs['test'], epoch, options, run, stop)
         run.epoch_done()
         stop.check()
   except (Interrupted, KeyboardInterrupt) as interruption:
@@ -129,8 +145,8 @@ def _keep_history(trainer, logs: Dict[str, PhaseLog]) -> None:
   trainer._report_test_metrics, trainer._detailed_test_metrics = logs['test'].arrays()
 
 
-def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: LoopOptions, run: Run,
-              stop: StopRequest) -> None:
+def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epoch: int, options: LoopOptions,
+              run: Run, stop: StopRequest) -> None:
   """Run one pass of ``phase`` (``'fit'`` or ``'test'``) over ``data``; a resumed training pass skips the
   batches already trained and continues the report window it had open."""
   batches = data() if callable(data) else data
@@ -143,22 +159,22 @@ def run_epoch(trainer, phase: str, data, log: PhaseLog, epoch: int, options: Loo
   try:
     for position, (batch, last) in enumerate(with_last_flag(itertools.islice(batches, skip, None)), start=skip):
       inputs, targets = _pair(phase, position, batch)
-      layout = trainer._check_batch(inputs, targets)  # before anything changes
+      layout = parts.check_batch(inputs, targets)  # before anything changes
       if options.reset_state:
         trainer.target.reset(layout.batch_size)
         trainer.reset_state()
-      trainer._place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
+      parts.place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
       if trainer.num_micro_batch == 'auto':
         trainer.plan_memory(inputs, targets, options.shared_args)
       update = last or (position + 1) % window == 0
       chunk = trainer.stream_chunks.get(layout.batch_size)
       if chunk is None:
         if phase == 'fit':
-          trainer._check_loss_once(options.shared_args, inputs, targets)  # once per trainer, changes nothing
-        loss, aux = _run_step(trainer, phase, _step_kind(trainer, phase, update), options, inputs, targets,
+          parts.check_loss_once(options.shared_args, inputs, targets)  # once per trainer, changes nothing
+        loss, aux = _run_step(trainer, parts, phase, _step_kind(trainer, phase, update), options, inputs, targets,
                               layout.batch_size)
       else:
-        loss, aux = _run_streamed(trainer, phase, update, options, inputs, targets, layout, chunk)
+        loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
       if phase == 'fit':
         run.batch_trained(update)
@@ -195,18 +211,20 @@ def _step_kind(trainer, phase: str, update: bool, streamed: bool = False) -> str
   return 'close' if streamed and trainer.accumulate_steps == 1 else 'fit'
 
 
-def _run_step(trainer, phase: str, kind: str, options: LoopOptions, inputs, targets, batch_size: int):
+def _run_step(trainer, parts: TrainerParts, phase: str, kind: str, options: LoopOptions, inputs, targets,
+              batch_size: int):
   """Run one compiled step (again, cut finer, after running out of device memory); its ``(loss, aux)``."""
   result, compiles = run_with_retry(
-    lambda: _call_step(trainer, kind, options.shared_args, inputs, targets),
-    lambda error: trainer._replan_finer(batch_size))
+    lambda: _call_step(parts.step(kind), options.shared_args, inputs, targets),
+    lambda error: parts.replan_finer(batch_size))
   step_phase = 'fit' if phase == 'fit' else 'loss'
   if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
-    trainer._note_compilations(step_phase, compiles)
+    parts.note_compilations(step_phase, compiles)
   return _split_result(trainer, phase, result)
 
 
-def _run_streamed(trainer, phase: str, update: bool, options: LoopOptions, inputs, targets, layout, chunk: int):
+def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, options: LoopOptions, inputs, targets,
+                  layout, chunk: int):
   """A batch streamed from the host (:mod:`._stream`): each chunk's sums into the window, the last updates.
 
   Each chunk starts from its samples' slice of the whole batch's model state (reset at the batch size, as
@@ -223,9 +241,9 @@ def _run_streamed(trainer, phase: str, update: bool, options: LoopOptions, input
         var.value = jax.lax.slice_in_dim(whole[name], start, start + size, axis=axis)
       trainer.plan_memory(x, y, options.shared_args)  # the shorter last chunk has its own plan
       if phase == 'fit' and i == 0:
-        trainer._check_loss_once(options.shared_args, x, y)
+        parts.check_loss_once(options.shared_args, x, y)
       kind = _step_kind(trainer, phase, update and i == len(sizes) - 1, streamed=True)
-      results.append(_run_step(trainer, phase, kind, options, x, y, size))
+      results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))
       weights.append(size if trainer.loss_weight_fn is None else float(trainer.loss_weight_fn(x, y)))
       for name, (var, axis) in states.items():
         whole[name] = jax.lax.dynamic_update_slice_in_dim(whole[name], bm.as_jax(var.value), start, axis=axis)
@@ -235,10 +253,8 @@ def _run_streamed(trainer, phase: str, update: bool, options: LoopOptions, input
   return combine(results, weights, trainer.grad_reduction)
 
 
-def _call_step(trainer, kind: str, shared_args, inputs, targets):
+def _call_step(step: Callable, shared_args, inputs, targets):
   """Run the compiled step for this batch; return its result and the XLA compilations it caused."""
-  step = {'loss': trainer.f_loss, 'fit': trainer.f_train, 'collect': trainer._f_collect,
-          'close': trainer._f_close}[kind]
   with count_compilations() as compiled:
     result = step(shared_args, inputs, targets)
   return result, compiled()

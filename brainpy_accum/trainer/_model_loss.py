@@ -1,12 +1,14 @@
 """What the trainer's model and loss give for one (micro-)batch: predictions, loss and metrics, weight.
 
 :class:`ModelLoss` is a mixin of :class:`~brainpy_accum.AccumBPTT` over :class:`brainpy.BPTT`'s own
-prediction and loss functions: the time loop (rematerialised with ``remat``), what ``loss_fun`` receives,
+prediction and loss functions: the time loop (rematerialised with ``remat``, or with ``remat='auto'`` the remat
+of the plan whose step is being traced), what ``loss_fun`` receives,
 its checked ``(loss, metrics)``, and each micro-batch's weight in the combined gradient.
 """
 
+import contextlib
 import functools
-from typing import Callable
+from typing import Callable, Optional, Union
 
 import brainpy.math as bm
 import jax
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._batch import is_array
+from ..core._cut import MicroBatchPlan
 from ..memory._remat import checkpointed_time_loop
 
 __all__ = ['ModelLoss']
@@ -22,6 +25,9 @@ __all__ = ['ModelLoss']
 class ModelLoss:
   """The model's predictions and the loss of a (micro-)batch, as :class:`~brainpy_accum.AccumBPTT` uses them."""
 
+  # With remat='auto' each batch size has its own remat, read while its step is traced (see _remat_in_effect).
+  _plan_in_trace: Optional[MicroBatchPlan] = None
+
   def _fun_predict(self, indices, *inputs, shared_args=None):
     remat = self._remat_in_effect()  # per batch size with remat='auto'
     if not remat or self._memory_efficient:
@@ -29,6 +35,23 @@ class ModelLoss:
     step = functools.partial(self._step_func_predict, shared_args=shared_args)
     segment = None if remat is True else remat
     return checkpointed_time_loop(step, indices, inputs, segment, jit=self.jit['predict'])
+
+  @contextlib.contextmanager
+  def _tracing(self, plan: Optional[MicroBatchPlan]):
+    """Trace a step for ``plan``: its remat is the one :meth:`_remat_in_effect` gives inside."""
+    outer, self._plan_in_trace = self._plan_in_trace, plan or self._plan_in_trace
+    try:
+      yield
+    finally:
+      self._plan_in_trace = outer
+
+  def _remat_in_effect(self) -> Union[bool, int]:
+    """The remat of the step being traced: the ``remat`` option, or with ``'auto'`` that of the plan being
+    traced (:meth:`_tracing`). Outside a planned step (e.g. ``predict``): no remat."""
+    if self.remat != 'auto':
+      return self.remat
+    plan = self._plan_in_trace
+    return plan.remat if plan is not None and plan.remat else False
 
   def _forward(self, shared_args) -> Callable:
     """What ``loss_fun`` receives for a micro-batch, as ``forward(micro_args, size)`` (see :mod:`._two_pass`)."""

@@ -1,39 +1,41 @@
-"""The trainer's planning and placement: how a batch is cut, split over a mesh, measured and compiled.
+"""The trainer's plans per batch size: how a batch is cut, split over a mesh, and planned under a memory budget.
 
 :class:`Planning` is a mixin of :class:`~brainpy_accum.AccumBPTT`: the public methods that say how a batch
-of a given size runs (:meth:`~Planning.plan_for`, :meth:`~Planning.describe_batch`), choose micro-batches
-under a memory budget (:meth:`~Planning.plan_memory`), compile the step ahead of time, and the private ones
-that check a batch and place the Variables on the mesh.
+of a given size runs (:meth:`~Planning.plan_for`, :meth:`~Planning.describe_batch`), and the private ones that
+check a batch, choose micro-batches under a memory budget and re-plan after running out of memory. What it
+compiles, times or rebuilds it receives as arguments (:class:`Compilers`, ``rebuild``, ``window``): it never
+calls back into the trainer's steps.
 """
 
-import contextlib
-import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
-import jax
-
-import brainpy.math as bm
-from brainpy import tools
-from jax.sharding import PartitionSpec
 from tqdm import tqdm
 
 from ..core._batch import BatchLayout, batch_layout
 from ..core._cut import MicroBatchPlan, plan_micro_batches
-from ..core._mesh import batch_spec, check_divisible, mesh_size, place, random_states
+from ..core._mesh import batch_spec, check_divisible, mesh_size, random_states
 from ..core._states import batched_variables, values_restored
 from ..memory._budget import choose_micro_batch_size, compiled_step_bytes, format_memory
 from ..memory._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ..memory._oom import finer_plan
 from ..memory._stream import chunk_candidates, host_chunk
 
-__all__ = ['Planning']
+__all__ = ['Compilers', 'Planning']
+
+
+class Compilers(NamedTuple):
+  """What planning compiles and times, given by the trainer.
+
+  ``step_bytes(plan, shared_args, inputs, targets, via_window) -> bytes`` of the train step compiled for
+  ``plan``; ``trial(plan, shared_args, inputs, targets) -> (compiled, run)``: that step compiled, and a
+  ``run()`` of it that changes nothing (``remat='auto'``'s trial steps).
+  """
+  step_bytes: Callable[..., int]
+  trial: Callable[..., Tuple[Any, Callable[[], Any]]]
 
 
 class Planning:
-  """How :class:`~brainpy_accum.AccumBPTT` cuts, places, measures and compiles a batch (a mixin)."""
-
-  # With remat='auto' each batch size has its own remat, read while its step is traced (see _remat_in_effect).
-  _plan_in_trace: Optional[MicroBatchPlan] = None
+  """How :class:`~brainpy_accum.AccumBPTT` cuts a batch of each size and plans it under a memory budget (a mixin)."""
 
   def plan_for(self, batch_size: int) -> MicroBatchPlan:
     """The micro-batches that a batch of ``batch_size`` samples is cut into.
@@ -50,7 +52,7 @@ class Planning:
     >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).plan_for(10).sizes
     (3, 3, 3, 1)
     """
-    if batch_size in self._finer_plans:  # re-planned after running out of device memory
+    if batch_size in self._finer_plans:
       return self._finer_plans[batch_size]
     if self.num_micro_batch != 'auto':
       return plan_micro_batches(self._share_size(batch_size), num_micro_batch=self.num_micro_batch,
@@ -61,11 +63,18 @@ class Planning:
                        f'with a batch of that size first (fit does this itself).')
     return self.memory_plans[batch_size][0]
 
-  def _replan_finer(self, batch_size: int) -> str:
-    """After the device ran out of memory: twice the micro-batches for ``batch_size``, steps traced anew."""
+
+  @property
+  def _finer_plans(self) -> Dict[int, MicroBatchPlan]:
+    """The batch sizes re-planned after running out of device memory (:meth:`_replan_finer`), and their plans."""
+    return self.__dict__.setdefault('_finer_plans_by_size', {})
+
+  def _replan_finer(self, batch_size: int, rebuild: Callable[[], None]) -> str:
+    """After the device ran out of memory: twice the micro-batches for ``batch_size``; ``rebuild()`` makes the
+    steps trace anew."""
     before, plan = self.describe_batch(batch_size), self.plan_for(batch_size)
     self._finer_plans[batch_size] = finer_plan(plan)._replace(remat=plan.remat)
-    self._jit_steps()
+    rebuild()
     return f'{before} now runs as {self.describe_batch(batch_size)}'
 
   def num_micro_batch_for(self, batch_size: int) -> int:
@@ -91,27 +100,13 @@ class Planning:
     """Samples each device holds of a batch of ``batch_size``."""
     return batch_size if self.mesh is None else check_divisible(batch_size, self.num_devices, self.mesh_axis)
 
-  def _place_on_mesh(self, batch_size: Optional[int] = None) -> None:
-    """Put the trainer's Variables on the mesh: model states split along their batch axis, the
-    ``accumulate_steps`` window one row per device, everything else (parameters, optimizer state,
-    counters, random keys) replicated. :meth:`fit` calls it before every step; without a mesh it does nothing.
-    """
-    if self.mesh is None:
-      return
-    split = self._split_variables(with_window=True, batch_size=batch_size)
-    specs = {id(var): spec for var, spec in split}
-    variables = list(self.vars().unique().values()) + [var for var, _ in split] + random_states(self.target)
-    place([(var, specs.get(id(var), PartitionSpec())) for var in variables], self.mesh)
-
-  place_on_mesh = _place_on_mesh  # public: the README names it, for timing a step outside fit
-
-  def _split_variables(self, with_window: bool, batch_size: Optional[int] = None):
+  def _split_variables(self, window, batch_size: Optional[int] = None):
     """``(Variable, partition)`` of every Variable split over the mesh: model states along their batch axis
-    and, ``with_window``, the ``accumulate_steps`` window one row per device. All others are replicated."""
+    and the rows of ``window`` (the ``accumulate_steps`` window, or ``None``) one per device. All others are replicated."""
     axis = self.mesh_axis
     split = [(var, batch_spec(state_axis, axis)) for var, state_axis in batched_variables(self.target, batch_size).values()]
-    if with_window and self._window is not None:
-      split += [(var, batch_spec(0, axis)) for var in self._window.variables().values()]
+    if window is not None:
+      split += [(var, batch_spec(0, axis)) for var in window.variables().values()]
     return split
 
   def describe_batch(self, batch_size: int) -> str:
@@ -131,69 +126,35 @@ class Planning:
       return plan.describe()
     return f'batch {batch_size} = {self.num_devices} devices x ({plan.describe_cuts()})'
 
-  def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None, *,
-                  step_time: Optional[Callable[[Sequence[MicroBatchPlan]], Sequence[float]]] = None
-                  ) -> MicroBatchPlan:
-    """Choose and cache the fewest micro-batches whose compiled train step fits ``memory_budget``.
-
-    Each candidate micro-batch size is compiled ahead of time and measured
-    with XLA's memory analysis; no step runs and nothing changes but the
-    cached choice, which is printed and kept in :attr:`memory_plans` as
-    ``{batch_size: (plan, bytes)}``.
-
-    With ``remat='auto'`` the choice is the fastest plan that fits instead:
-    for remat off and remat every ``sqrt(T)`` steps, the largest micro-batch
-    that fits and two finer cuts are compiled, and the fitting ones are timed
-    with trial steps on this batch (the compiled step run on the current
-    Variable values, its results discarded: no Variable or random key
-    changes). The candidates and the reason are printed; the plan's
-    :attr:`~MicroBatchPlan.remat` is used when the step is traced.
-    ``step_time(plans) -> seconds`` replaces the trial steps (e.g. a cost model).
-
-    Raises
-    ------
-    ValueError
-      If one sample per micro-batch does not fit either (the message gives
-      the smallest budget that would).
-
-    Examples
-    --------
-    >>> import brainpy as bp, brainpy.math as bm, numpy as np
-    >>> from brainpy_accum import AccumBPTT
-    >>> with bm.training_environment():
-    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 16), bp.dnn.Dense(16, 2))
-    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch='auto', memory_budget='64KiB')
-    >>> x, y = np.ones((32, 20, 3), 'float32'), np.zeros((32, 20, 2), 'float32')
-    >>> plan = trainer.plan_memory(x, y)  # doctest: +ELLIPSIS
-    memory plan: batch 32 = ... micro-batches), train step ... of memory_budget 64.0 KiB
-    >>> trainer.memory_plans[32][1] <= 64 * 1024
-    True
-    """
+  def _plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict], step_time: Optional[Callable],
+                   compilers: Compilers, may_stream: bool) -> MicroBatchPlan:
+    """:meth:`~brainpy_accum.AccumBPTT.plan_memory`, compiling and timing with ``compilers``; ``may_stream``:
+    a batch whose data does not fit may be streamed from the host."""
     if self.num_micro_batch != 'auto':
       raise ValueError(f"plan_memory needs num_micro_batch='auto'; this trainer has "
                        f"num_micro_batch={self.num_micro_batch!r}, micro_batch_size={self.micro_batch_size!r}.")
     layout = self._check_batch(inputs, targets)
     batch_size = layout.batch_size
-    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
     if batch_size in self.stream_chunks:
       return self.memory_plans[self.stream_chunks[batch_size]][0]
     if batch_size not in self.memory_plans:
       try:
-        self._plan_batch(layout, shared_args, inputs, targets, step_time)
+        self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
       except ValueError as error:
-        if not self._may_stream or batch_size == 1:
+        if not may_stream or batch_size == 1:
           raise
-        return self._plan_stream(layout, shared_args, inputs, targets, step_time, error)
+        return self._plan_stream(layout, shared_args, inputs, targets, step_time, compilers, error)
     return self.memory_plans[batch_size][0]
 
-  def _plan_batch(self, layout, shared_args, inputs, targets, step_time, via_window: bool = False) -> None:
+  def _plan_batch(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
+                  via_window: bool = False) -> None:
     """Plan one batch (or streamed chunk) whose step holds all of it; raises ``ValueError`` if none fits."""
     batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
-    measure = lambda size: self.compiled_step_bytes(
-      plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets, via_window=via_window)
+    measure = lambda size: compilers.step_bytes(
+      plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets, via_window)
     try:
       if self.remat == 'auto':
-        size, used, remat = self._plan_fastest(share, shared_args, inputs, targets, step_time)
+        size, used, remat = self._plan_fastest(share, shared_args, inputs, targets, step_time, compilers)
       else:
         (size, used), remat = choose_micro_batch_size(share, self.memory_budget, measure), None
     except ValueError as error:
@@ -207,7 +168,8 @@ class Planning:
     tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plan.num_micro_batches} micro-batches), '
                f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}')
 
-  def _plan_stream(self, layout, shared_args, inputs, targets, step_time, error: ValueError) -> MicroBatchPlan:
+  def _plan_stream(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
+                   error: ValueError) -> MicroBatchPlan:
     """The batch's data does not fit beside its step: stream it from the host in chunks (:mod:`._stream`).
 
     Of the chunk sizes whose step fits, the one with the largest micro-batches (the fewest sequential
@@ -224,7 +186,8 @@ class Planning:
         if chunk not in self.memory_plans:
           self.target.reset(chunk)  # the chunk's step takes the model state at the chunk's size
           try:
-            self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, via_window=True)
+            self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, compilers,
+                             via_window=True)
           except ValueError:
             continue
         fitting.append(chunk)
@@ -240,14 +203,15 @@ class Planning:
                f'({plan.describe()}, train step {format_memory(used)}), one update per batch')
     return plan
 
-  def _plan_fastest(self, share: int, shared_args, inputs, targets, step_time) -> Tuple[int, int, Union[bool, int]]:
+  def _plan_fastest(self, share: int, shared_args, inputs, targets, step_time,
+                    compilers: Compilers) -> Tuple[int, int, Union[bool, int]]:
     """``remat='auto'``: ``(micro_batch_size, bytes, remat)`` of the fastest plan that fits, its table printed."""
     compiled = {}
 
     def compile_(size, remat):
       if (size, remat) not in compiled:
         plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
-        compiled[size, remat] = self._compile_trial(plan, shared_args, inputs, targets)
+        compiled[size, remat] = compilers.trial(plan, shared_args, inputs, targets)
       return compiled[size, remat]
 
     def timed(pairs):
@@ -266,82 +230,6 @@ class Planning:
     """With ``remat='auto'``: every candidate plan weighed for each batch size (per device with a mesh),
     with its memory and trial step time, as :meth:`plan_memory` printed them."""
     return self.__dict__.setdefault('_weighed_plans', {})
-
-  def _compile_trial(self, plan: MicroBatchPlan, shared_args, inputs, targets):
-    """The train step compiled for ``plan``, and a trial run of it: the executable called on the current
-    Variable values with its new values dropped, so that nothing (parameters, optimizer, random keys) changes."""
-    step = bm.jit(functools.partial(self._train_step, plan=plan), static_argnums=(0,))
-    with self._without_time_step_bars(), self._tracing(plan):
-      values = step.stateful_fun.get_state_trace(shared_args, inputs, targets, compile_if_miss=True).get_state_values()
-      compiled = step.jitted_fun.lower(values, shared_args, inputs, targets).compile()
-    return compiled, lambda: jax.block_until_ready(compiled(values, inputs, targets))
-
-  @contextlib.contextmanager
-  def _tracing(self, plan: Optional[MicroBatchPlan]):
-    """Trace a step for ``plan``: its remat is the one :meth:`_remat_in_effect` gives inside."""
-    outer, self._plan_in_trace = self._plan_in_trace, plan or self._plan_in_trace
-    try:
-      yield
-    finally:
-      self._plan_in_trace = outer
-
-  def _remat_in_effect(self) -> Union[bool, int]:
-    """The remat of the step being traced: the ``remat`` option, or with ``'auto'`` that of the plan being
-    traced (:meth:`_tracing`). Outside a planned step (e.g. ``predict``): no remat."""
-    if self.remat != 'auto':
-      return self.remat
-    plan = self._plan_in_trace
-    return plan.remat if plan is not None and plan.remat else False
-
-  def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
-    """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
-
-    The model state enters at its current size, as :meth:`fit` leaves it before a step
-    (reset at the batch size); nothing is executed and nothing changes. With a
-    mesh the figure is per device.
-    """
-    return compiled_step_bytes(self.compile_step(inputs, targets, shared_args, plan=plan, via_window=via_window))
-
-  def compile_step(self, inputs, targets, shared_args: Optional[Dict] = None,
-                   plan: Optional[MicroBatchPlan] = None, update: bool = True, via_window: bool = False):
-    """The train step for this batch shape, compiled ahead of time by XLA; nothing runs, nothing changes.
-
-    Returns JAX's compiled object: ``memory_analysis()`` gives its memory
-    (per device with a mesh), ``as_text()`` its optimised HLO, e.g. to count
-    the cross-device reductions (``all-reduce``) of a sharded step. The model
-    state enters at its current size: call ``model.reset(batch_size)`` first,
-    as :meth:`fit` does. ``plan`` overrides the trainer's micro-batch plan;
-    ``update=False`` compiles the step that only adds a batch to the
-    ``accumulate_steps`` window; ``via_window=True`` the step that passes its
-    gradient through the window (that of a streamed batch's last chunk).
-
-    Examples
-    --------
-    >>> import brainpy as bp, brainpy.math as bm, numpy as np
-    >>> from brainpy_accum import AccumBPTT
-    >>> with bm.training_environment():
-    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 8), bp.dnn.Dense(8, 2))
-    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=4)
-    >>> x, y = np.ones((16, 5, 3), 'float32'), np.zeros((16, 5, 2), 'float32')
-    >>> model.reset(16)
-    >>> compiled = trainer.compile_step(x, y)
-    >>> compiled.memory_analysis().temp_size_in_bytes > 0
-    True
-    """
-    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update, via_window=via_window),
-                  static_argnums=(0,))
-    with self._without_time_step_bars(), self._tracing(plan):
-      return step.compile(shared_args, inputs, targets)
-
-  @contextlib.contextmanager
-  def _without_time_step_bars(self):
-    """Trace steps without bp.BPTT's per-time-step progress bars (host callbacks inside the compiled step)."""
-    shown, self.progress_bar = self.progress_bar, False
-    try:
-      yield
-    finally:
-      self.progress_bar = shown
 
   def _check_batch(self, inputs: Any, targets: Any) -> BatchLayout:
     """Check one batch and return its layout; raises ``ValueError`` before anything changes.
