@@ -14,7 +14,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ._batch import is_array, put_samples, take_samples
-from ._combine import add_scaled, check_grad_reduction, check_loss_weight_fn, finish_grads, finish_values, sum_values, wide_zeros_like
+from ._combine import (add_scaled, check_grad_reduction, check_loss_weight_fn, finish_grads, finish_values, sum_values,
+                       wide_zeros_like)
 from ._cut import MicroBatchPlan, check_cut, plan_micro_batches
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states

@@ -3,8 +3,8 @@
 A budget can be met by two levers: more micro-batches (smaller activations, but more, smaller sequential
 steps) or remat (activations of ``sqrt(T)`` steps, for about one extra forward pass). Which is faster depends
 on the model and the device, so the planner measures rather than guesses. For each remat option a
-bisection (:func:`~._planner.largest_fitting`) finds the largest micro-batch that fits (memory by ahead-of-time
-compilation), searching remat plans only above the largest micro-batch that fits without remat (at or below
+bisection (:func:`~brainpy_accum.memory._budget.largest_fitting`) finds the largest micro-batch that fits
+(memory by ahead-of-time compilation), searching remat plans only above the largest micro-batch that fits without remat (at or below
 it the same cut without remat is faster); a couple of finer cuts are added (small micro-batches can be faster
 on caches), and the fitting candidates are timed with a few trial steps, interleaved round by round; the
 fastest wins.

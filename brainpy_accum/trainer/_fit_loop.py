@@ -225,7 +225,7 @@ def _run_step(trainer, parts: TrainerParts, phase: str, kind: str, options: Loop
 
 def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, options: LoopOptions, inputs, targets,
                   layout, chunk: int):
-  """A batch streamed from the host (:mod:`._stream`): each chunk's sums into the window, the last updates.
+  """A batch streamed from the host (:mod:`~brainpy_accum.memory._stream`): each chunk's sums into the window, the last updates.
 
   Each chunk starts from its samples' slice of the whole batch's model state (reset at the batch size, as
   ``bp.BPTT`` resets it, so random initial states are the same draws) and writes its final state back.

@@ -54,7 +54,7 @@ class ModelLoss:
     return plan.remat if plan is not None and plan.remat else False
 
   def _forward(self, shared_args) -> Callable:
-    """What ``loss_fun`` receives for a micro-batch, as ``forward(micro_args, size)`` (see :mod:`._two_pass`)."""
+    """What ``loss_fun`` receives for a micro-batch, as ``forward(micro_args, size)`` (see :mod:`~brainpy_accum.core._two_pass`)."""
     return lambda micro_args, size: self._predicts(shared_args, micro_args[0])
 
   def _predicts(self, shared_args, inputs):

@@ -170,7 +170,7 @@ class Planning:
 
   def _plan_stream(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
                    error: ValueError) -> MicroBatchPlan:
-    """The batch's data does not fit beside its step: stream it from the host in chunks (:mod:`._stream`).
+    """The batch's data does not fit beside its step: stream it from the host in chunks (:mod:`~brainpy_accum.memory._stream`).
 
     Of the chunk sizes whose step fits, the one with the largest micro-batches (the fewest sequential
     micro-batch steps per batch), then the largest chunk (the fewest transfers). Chunks are tried largest

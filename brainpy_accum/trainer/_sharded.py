@@ -1,9 +1,10 @@
-"""The step of :mod:`._step` on a mesh: the same two functions, inside ``shard_map``, with one ``psum``.
+"""The step of :mod:`~brainpy_accum.trainer._step` on a mesh: the same two functions, inside ``shard_map``,
+with one ``psum``.
 
-Every device runs :func:`._step.batch_sums` on its share of the batch with its own random stream, then
-:func:`._step.settle` with ``across`` the sum over the mesh axis: the devices' partial sums meet once per
-train step, never inside the micro-batch loop. Parameters and optimizer state are replicated; model
-states and the window rows are split as ``state_specs`` says.
+Every device runs :func:`~brainpy_accum.trainer._step.batch_sums` on its share of the batch with its own
+random stream, then :func:`~brainpy_accum.trainer._step.settle` with ``across`` the sum over the mesh axis:
+the devices' partial sums meet once per train step, never inside the micro-batch loop. Parameters and
+optimizer state are replicated; model states and the window rows are split as ``state_specs`` says.
 """
 
 import functools
@@ -26,7 +27,7 @@ def on_mesh(sums_of: Callable, settle: Callable, mesh: Mesh, axis: str, args: tu
 
   ``arg_axes``: the batch axis of each leaf of ``args``; ``state_specs``: ``{Variable: PartitionSpec}`` of
   the Variables split over the mesh (others are replicated); ``random``: the random states each device
-  folds with its index while it computes its sums (:func:`._mesh.per_device_random`).
+  folds with its index while it computes its sums (:func:`~brainpy_accum.core._mesh.per_device_random`).
   """
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
   across = functools.partial(sum_across_devices, mesh_axis=axis)

@@ -1,4 +1,5 @@
-"""One batch of :class:`AccumBPTT`'s train and evaluation steps, built on the core's :func:`._core.accumulate`.
+"""One batch of :class:`AccumBPTT`'s train and evaluation steps, built on the core's
+:func:`~brainpy_accum.core.accumulate`.
 
 Every step, local or on a mesh, with or without an ``accumulate_steps`` window, in the default or the
 two-pass mode, is the same two functions:
@@ -9,7 +10,7 @@ two-pass mode, is the same two functions:
    locally) and either finishes the batch (divides), or adds it to the window and, at an update, closes
    the window.
 
-A mesh only wraps the pair in ``shard_map`` (:mod:`._sharded`). What :func:`settle` returns is applied by
+A mesh only wraps the pair in ``shard_map`` (:mod:`~brainpy_accum.trainer._sharded`). What :func:`settle` returns is applied by
 the trainer outside, once per optimizer update.
 """
 
