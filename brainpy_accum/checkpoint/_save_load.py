@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from ..core._combine import weakly_typed
 from ._resume import Progress
 
 __all__ = ['FORMAT', 'checkpoint_groups', 'save', 'load']
@@ -79,18 +80,9 @@ def _from_host(stored, current):
   if not isinstance(current, jax.Array) or not current.is_fully_addressable:
     return stored
   if getattr(current, 'weak_type', False):
-    stored = _weak(stored)
+    stored = weakly_typed(stored)
   committed = getattr(current, 'committed', getattr(current, '_committed', True))
   return jax.device_put(stored, current.sharding) if committed else jax.device_put(stored)
-
-
-def _weak(value: np.ndarray):
-  """``value`` as a weakly typed JAX array, like values made from Python scalars (no public API for this)."""
-  try:
-    from jax._src.lax.lax import _convert_element_type
-    return _convert_element_type(value, value.dtype, weak_type=True)
-  except (ImportError, TypeError, AssertionError):  # another JAX: a strong type costs one more compilation
-    return value
 
 
 def save(trainer, path: str, window, run: Optional[Tuple[Progress, Dict[str, dict]]] = None) -> str:

@@ -12,8 +12,8 @@ Gradients are summed in at least float32, whatever the parameters' dtype.
 import jax
 import jax.numpy as jnp
 
-__all__ = ['GRAD_REDUCTIONS', 'check_grad_reduction', 'check_loss_weight_fn', 'same_type', 'wide_zeros_like', 'add_scaled', 'finish_grads', 'sum_values', 'finish_values',
-           'combine_values']
+__all__ = ['GRAD_REDUCTIONS', 'add_scaled', 'check_grad_reduction', 'check_loss_weight_fn', 'combine_values',
+           'finish_grads', 'finish_values', 'same_type', 'sum_values', 'weakly_typed', 'wide_zeros_like']
 
 GRAD_REDUCTIONS = ('mean', 'sum')
 
@@ -41,6 +41,17 @@ try:  # keeps JAX's weak type, which a public astype() drops
   from jax._src.lax.lax import _convert_element_type
 except ImportError:  # pragma: no cover - older or newer JAX without the private helper
   _convert_element_type = None
+
+
+def weakly_typed(value):
+  """``value`` as a weakly typed JAX array, like values made from Python scalars (no public API for this);
+  ``value`` unchanged with a JAX that lacks the helper or refuses it (a strong type costs one more compilation)."""
+  if _convert_element_type is None:
+    return value
+  try:
+    return _convert_element_type(value, value.dtype, weak_type=True)
+  except (TypeError, AssertionError):
+    return value
 
 
 def same_type(x, like):
