@@ -368,7 +368,6 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     variables = list(self.vars().unique().values()) + [var for var, _ in split] + random_states(self.target)
     place([(var, specs.get(id(var), PartitionSpec())) for var in variables], self.mesh)
 
-
   def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None, *,
                   step_time: Optional[Callable[[Sequence[MicroBatchPlan]], Sequence[float]]] = None
                   ) -> MicroBatchPlan:
