@@ -11,7 +11,9 @@ import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+sys.path.insert(0, str(pathlib.Path(__file__).parent / 'support'))
+import background  # noqa: E402
+sys.path[1:1] = background.TEST_FOLDERS  # test files import one another across the mirrored folders
 
 LONG_HELP = ('also run the long suite: tests marked "long" (searches, gallery ports, resume after SIGKILL, '
              'multi-process and multi-device checks); "--long -m long" runs them alone')

@@ -17,7 +17,7 @@ import brainpy
 import brainstate
 import jax
 
-from .._planner import parse_memory
+from ..memory import parse_memory
 from .measure import largest_batch_within, measure_all
 from .planner import measure_planner, planner_section, plot_planner
 from .report import markdown_report, plot

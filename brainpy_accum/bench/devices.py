@@ -43,14 +43,14 @@ def measure_one(workload: str, shape: Shape, num_devices: Optional[int], num_mic
                       num_micro_batch=num_micro_batch, mesh=mesh, progress_bar=False)
   x, y = make_batch(shape)
   model.reset(shape.batch)
-  trainer._place_on_mesh()
+  trainer.place_on_mesh()
   compiled = trainer.compile_step(x, y)
   stats, reduces = compiled.memory_analysis(), count_all_reduces(compiled.as_text())
   shared = bp.tools.DotDict({'fit': True})
   times: List[float] = []
   for i in range(steps + 1):  # the first call compiles
     model.reset(shape.batch)
-    trainer._place_on_mesh()
+    trainer.place_on_mesh()
     start = time.perf_counter()
     jax.block_until_ready(trainer.f_train(shared, x, y))
     if i:

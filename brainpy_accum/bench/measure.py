@@ -10,7 +10,7 @@ import statistics
 import time
 from typing import Dict, List, NamedTuple, Sequence
 
-from .._planner import compiled_step_bytes
+from ..memory import compiled_step_bytes
 from .methods import Step, build_step
 from .workloads import Shape
 

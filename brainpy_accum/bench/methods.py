@@ -53,7 +53,7 @@ def _trainer_step(trainer, shape: Shape, abstract_data: bool) -> Step:
     trainer.target.reset(shape.batch)
     return trainer.f_train.compile(FIT, x, y)
 
-  return Step(run, compile_, lambda: trainer._jit_step_func_fit.jitted_fun._cache_size())
+  return Step(run, compile_, lambda: trainer.f_train.jitted_fun._cache_size())
 
 
 def _mse(predicts, targets):

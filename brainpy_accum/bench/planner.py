@@ -14,9 +14,8 @@ from typing import Dict, Optional, Sequence
 
 import brainpy as bp
 
-from .._plan import describe_remat, plan_micro_batches
-from .._planner import compiled_step_bytes, format_memory
-from .._time_planner import time_steps
+from ..core import describe_remat, plan_micro_batches
+from ..memory import compiled_step_bytes, format_memory, time_steps
 from ..trainer import AccumBPTT
 from .methods import FIT, LEARNING_RATE
 from .workloads import Shape, make_batch, make_brainpy_model
@@ -69,7 +68,7 @@ def measure_planner(workload: str = 'rnn', shape: Shape = SHAPE, fractions: Sequ
   trials = {}
   for size, remat in grid:
     plan = plan_micro_batches(shape.batch, micro_batch_size=size)._replace(remat=remat)
-    trials[size, remat] = timer._compile_trial(plan, FIT, x, y)
+    trials[size, remat] = timer.compile_trial(x, y, FIT, plan=plan)
   seconds = dict(zip(trials, time_steps([run for _, run in trials.values()], rounds)))
   plans = []
   for (size, remat), (compiled, _) in sorted(trials.items(), key=lambda item: (item[0][1], -item[0][0])):

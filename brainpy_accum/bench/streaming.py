@@ -20,7 +20,7 @@ import brainpy as bp
 import jax
 import numpy as np
 
-from .._planner import format_memory, parse_memory
+from ..memory import format_memory, parse_memory
 from ..trainer import AccumBPTT
 from .measure import largest_batch_within
 from .workloads import Shape, make_batch, make_brainpy_model

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._planner import compiled_step_bytes
+from ..memory import compiled_step_bytes
 from ..trainer import AccumBPTT
 from .methods import FIT, LEARNING_RATE
 from .workloads import Shape, make_batch, make_brainpy_model

@@ -1,0 +1,106 @@
+"""Where a :meth:`fit` call stands, and stopping it cleanly on Ctrl-C or SIGTERM.
+
+``fit(..., checkpoint=path, checkpoint_every=k)`` saves a :class:`Progress`
+with each checkpoint, so that the same call run again (after a crash, a
+killed job, a pre-empted node) skips what was already trained and goes on
+from there. A signal that arrives while a batch's compiled step runs would
+otherwise interrupt Python between the write-backs of its Variables;
+:func:`deferred_signals` holds SIGINT and SIGTERM until the batch is done, so
+:meth:`fit` stops at a batch boundary, writes a final checkpoint and only
+then lets the signal act as it would have (Python's Ctrl-C handler raises
+KeyboardInterrupt, SIGTERM by default ends the process, a handler installed
+before :meth:`fit` runs; if that handler returns, so does :meth:`fit`). A
+signal the process ignores stays ignored. A second Ctrl-C while one is
+pending stops at once.
+"""
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Iterator, List, NamedTuple, Optional
+
+from ..core._cut import check_positive_int
+
+__all__ = ['Progress', 'Interrupted', 'StopRequest', 'deferred_signals', 'act_on', 'check_checkpoint_args']
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Progress(NamedTuple):
+  """How far a :meth:`fit` call got: ``epoch`` is the epoch in progress (``num_epoch`` when done),
+  ``trained`` the batches of its training pass already run, ``trained_all`` whether that pass (and the
+  learning-rate epoch step after it) is complete, ``updates`` the optimizer updates of the call so far."""
+  epoch: int = 0
+  trained: int = 0
+  trained_all: bool = False
+  updates: int = 0
+
+  def next_epoch(self) -> 'Progress':
+    return Progress(self.epoch + 1, 0, False, self.updates)
+
+
+class Interrupted(Exception):
+  """Raised inside :meth:`fit` at the batch boundary after a deferred signal; carries the signal."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+class StopRequest:
+  """The signals received while deferred, in order."""
+
+  def __init__(self):
+    self.received: List[int] = []
+
+  def check(self) -> None:
+    """Raise :class:`Interrupted` if a signal arrived (called between batches)."""
+    if self.received:
+      raise Interrupted(self.received[0])
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[StopRequest]:
+  """Hold SIGINT and SIGTERM for the duration. A signal the process ignores stays ignored; outside the main
+  thread (where Python cannot install handlers) nothing is deferred."""
+  request = StopRequest()
+  if threading.current_thread() is not threading.main_thread():
+    yield request
+    return
+  previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
+  held = [signum for signum in _SIGNALS if previous[signum] is not signal.SIG_IGN]
+
+  def hold(signum, frame):
+    if signum == signal.SIGINT and signal.SIGINT in request.received:
+      signal.signal(signal.SIGINT, previous[signal.SIGINT])
+      forced = KeyboardInterrupt('a second Ctrl-C: stopped at once, possibly inside a step')
+      forced.forced = True  # fit writes no checkpoint then: the step may have been cut between write-backs
+      raise forced
+    request.received.append(signum)
+
+  for signum in held:
+    signal.signal(signum, hold)
+  try:
+    yield request
+  finally:
+    for signum in held:
+      signal.signal(signum, previous[signum])
+
+
+def act_on(signum: int) -> None:
+  """Let a held signal do what it would have done, now that the handlers are restored: Python's Ctrl-C
+  handler raises KeyboardInterrupt, SIGTERM's default ends the process, a handler of the user's runs."""
+  signal.raise_signal(signum)
+
+
+def check_checkpoint_args(checkpoint, checkpoint_every) -> Optional[int]:
+  """``fit``'s checkpoint arguments; returns ``checkpoint_every`` (``None``: only at each epoch's end)."""
+  if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+    raise TypeError(f"checkpoint={checkpoint!r} must be a file path (str or os.PathLike), e.g. 'run.ckpt'.")
+  if checkpoint_every is None:
+    return None
+  if checkpoint is None:
+    raise ValueError(f'checkpoint_every={checkpoint_every!r} needs a checkpoint path: pass '
+                     f"checkpoint='run.ckpt' as well.")
+  return check_positive_int('checkpoint_every', checkpoint_every, 'It counts optimizer updates between checkpoints.')

@@ -1,0 +1,385 @@
+"""The micro-batch loop as a function transform: ``micro_batched_grad`` is ``brainstate.transform.grad`` in pieces.
+
+:func:`accumulate` is the engine: one ``scan`` over the micro-batches that returns weighted sums before any
+division, so its callers (this module's wrapper, a trainer, devices adding their shares) decide when to divide.
+"""
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import brainpy.math as bm
+import brainstate
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from ._batch import is_array, put_samples, take_samples
+from ._combine import (add_scaled, check_grad_reduction, check_loss_weight_fn, finish_grads, finish_values, sum_values,
+                       wide_zeros_like)
+from ._cut import MicroBatchPlan, check_cut, plan_micro_batches
+from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
+from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
+
+__all__ = ['MicroResult', 'Sums', 'accumulate', 'micro_batched_grad']
+
+
+class MicroResult(NamedTuple):
+  """What the per-micro-batch function returns; ``samples`` have the micro-batch on axis 0."""
+  grads: Any
+  loss: Any
+  aux: Any
+  weight: Any
+  samples: Any = None
+
+
+class Sums(NamedTuple):
+  """Weighted sums over the micro-batches of one batch, before division; ``samples`` stitched to the batch."""
+  grad_sum: Any
+  total_weight: Any
+  loss_sum: Any
+  aux_sum: Any
+  samples: Any
+
+
+def _axes_like(tree, axis):
+  return jax.tree_util.tree_map(lambda _: axis, tree, is_leaf=is_array)
+
+
+def _one_batch(micro_fn, args, plan: MicroBatchPlan, grads_like) -> Sums:
+  out = micro_fn(args, plan.batch_size)
+  grad_sum = None if grads_like is None else add_scaled(wide_zeros_like(grads_like), out.weight, out.grads)
+  values = jax.tree_util.tree_map(lambda v: v[None], (out.loss, out.aux))
+  return Sums(grad_sum, out.weight, *sum_values(values, out.weight[None], 'mean'), out.samples)
+
+
+def _cut(leaves, treedef, axes, start, size: int):
+  """The micro-batch of ``size`` samples from ``start``; leaves without a batch axis come whole."""
+  return treedef.unflatten([x if a is None else take_samples(x, a, start, size) for x, a in zip(leaves, axes)])
+
+
+def _enter(states, axes, values, start, size: int) -> None:
+  """Set every state to its samples ``start, start + 1, ...`` of the whole-batch ``values``."""
+  for (state, _), value, axis in zip(states, values, axes):
+    state.value = take_samples(value, axis, start, size)
+
+
+def _put(buffer, axes, start, values):
+  """Write a micro-batch's ``values`` into the whole-batch ``buffer`` at ``start`` on each leaf's axis in the list
+  ``axes``; a leaf without one (``None``) takes the latest value whole."""
+  leaves, treedef = jax.tree_util.tree_flatten(buffer)
+  new = [v.astype(x.dtype) if a is None else jax.lax.dynamic_update_slice_in_dim(x, v.astype(x.dtype), start, a)
+         for x, a, v in zip(leaves, axes, jax.tree_util.tree_leaves(values))]
+  return treedef.unflatten(new)
+
+
+def _full_only(_, run_full, run_short, *operands):
+  """The ``cond`` of an even batch: no short micro-batch, so no branch."""
+  return run_full(*operands)
+
+
+def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], plan: MicroBatchPlan,
+               states: Sequence = (), grads_like: Any = None, samples_like: Any = None,
+               sample_axes: Optional[Sequence[Optional[int]]] = None) -> Sums:
+  """Run ``micro_fn(micro_args, size) -> MicroResult`` on every micro-batch of ``plan``; return the weighted sums.
+
+  ``axes``: the batch axis of each leaf of ``args`` (``None``: passed whole). ``states``: ``(State, axis)``
+  pairs whose values hold the whole batch; each micro-batch starts from its samples and writes them back.
+  ``grads_like``: the gradients' structure (``None``: ``micro_fn`` returns none). ``samples_like``:
+  shapes that receive every micro-batch's ``samples``, the batch on axis 0 or, given ``sample_axes`` (a list,
+  one entry per leaf), on those axes (``None``: the last micro-batch's value whole). One ``scan``; a short last
+  micro-batch is a ``cond`` branch of it, so it shares the full micro-batches' working memory.
+  """
+  if plan.num_micro_batches == 1:
+    return _one_batch(micro_fn, args, plan, grads_like)
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+  state_axes = [_axes_like(s.value, a) for s, a in states]
+  if sample_axes is None:
+    sample_axes = [0] * len(jax.tree_util.tree_leaves(samples_like))
+  size, num_full = plan.micro_batch_size, plan.num_full
+
+  def run(start, n, buffers):
+    _enter(states, state_axes, buffers[0], start, n)
+    out = micro_fn(_cut(leaves, treedef, axes, start, n), n)
+    values = put_samples(buffers[0], state_axes, start, [s.value for s, _ in states])
+    return out._replace(samples=None), (values, _put(buffers[1], sample_axes, start, out.samples))
+
+  def run_full(index, buffers):
+    return run(index * size, size, buffers)
+
+  def run_short(index, buffers):
+    out, buffers = run(num_full * size, plan.remainder, buffers)
+    _enter(states, state_axes, buffers[0], 0, size)  # both branches leave the states at the micro-batch size
+    return out, buffers
+
+  def body(carry, index):
+    grad_sum, buffers = carry
+    branch = brainstate.transform.cond if plan.remainder else _full_only
+    out, buffers = branch(index < num_full, run_full, run_short, index, buffers)
+    grad_sum = None if grad_sum is None else add_scaled(grad_sum, out.weight, out.grads)
+    return (grad_sum, buffers), (out.loss, out.aux, out.weight)
+
+  buffers = ([s.value for s, _ in states], jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), samples_like))
+  _enter(states, state_axes, buffers[0], 0, size)  # the scan carries the states at the micro-batch size
+  init = (None if grads_like is None else wide_zeros_like(grads_like), buffers)
+  (grad_sum, (values, samples)), (losses, auxs, weights) = brainstate.transform.scan(
+    body, init, jnp.arange(plan.num_micro_batches))
+  for (state, _), value in zip(states, values):
+    state.value = value
+  return Sums(grad_sum, weights.sum(), *sum_values((losses, auxs), weights, 'mean'), samples)
+
+
+def _check_options(loss_fn, grad_states, num_micro_batch, micro_batch_size, grad_reduction, flags,
+                   loss_weight_fn) -> None:
+  if not callable(loss_fn):
+    raise TypeError(f'{loss_fn=} must be callable as loss_fn(*args) -> loss.')
+  leaves = jax.tree_util.tree_leaves(grad_states, is_leaf=is_state)
+  if not leaves or not all(map(is_state, leaves)):
+    raise TypeError(f'grad_states={grad_states!r:.60} must be a State or a dict/list of States, e.g. '
+                    f'model.states(brainstate.ParamState) or model.train_vars().unique().')
+  check_cut(num_micro_batch, micro_batch_size)
+  check_grad_reduction(grad_reduction)
+  for name, flag in flags.items():
+    if not isinstance(flag, bool):
+      raise TypeError(f'{name}={flag!r} must be True or False.')
+  check_loss_weight_fn(loss_weight_fn, grad_reduction, 'loss_weight_fn(*args)')
+
+
+def _leaf_axes(args: tuple, batch_axis):
+  """The batch axis of every leaf of ``args`` (``None``: not cut) and the batch size they share."""
+  prefixes = batch_axis if isinstance(batch_axis, (tuple, list)) else (batch_axis,) * len(args)
+  if len(prefixes) != len(args):
+    raise ValueError(f'{batch_axis=} has {len(prefixes)} entries for {len(args)} arguments: give one int, or one '
+                     f'entry per argument (an int, None for an argument that is not cut, or a pytree of them).')
+  axes, sizes = [], {}
+  for i, (arg, prefix) in enumerate(zip(args, prefixes)):
+    prefix_def = jax.tree_util.tree_structure(prefix, is_leaf=lambda x: x is None)
+    try:
+      parts = prefix_def.flatten_up_to(arg)
+    except (ValueError, TypeError) as error:
+      raise ValueError(f'batch_axis entry {prefix!r} does not match the structure of args[{i}]: {error}') from None
+    leaf_axes = [a for a, part in zip(prefix_def.flatten_up_to(prefix), parts)
+                 for _ in jax.tree_util.tree_leaves(part, is_leaf=is_array)]
+    for (path, leaf), axis in zip(jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_array)[0], leaf_axes):
+      name, ndim = f'args[{i}]{jax.tree_util.keystr(path)}', np.ndim(leaf)
+      if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim):
+        raise ValueError(f'{name} has shape {np.shape(leaf)}, which has no batch_axis {axis!r}. Set batch_axis to '
+                         f'an axis it has, or to None for an argument that is not cut into micro-batches.')
+      axes.append(None if axis is None else axis % ndim)
+      if axis is not None:
+        sizes[name] = np.shape(leaf)[axis]
+  if len(set(sizes.values())) != 1:
+    raise ValueError(f'The batched arguments must hold the same samples along their batch_axis; got sizes '
+                     f'{sizes or "of no arrays"}.')
+  return axes, next(iter(sizes.values()))
+
+
+def _micro_fn(loss_and_new, grad_states, weigh, keep):
+  """The per-micro-batch function: brainstate's gradient, the weight, and the new states in ``keep``."""
+
+  def micro_fn(micro_args, size):
+    weight = weigh(micro_args, size)
+    grads, loss, (aux, new) = brainstate.transform.grad(
+      loss_and_new, grad_states, has_aux=True, return_value=True)(*micro_args)
+    return MicroResult(grads, loss, aux, weight, new if keep is None else [new[i] for i in keep])
+
+  return micro_fn
+
+
+def _recording(loss_and_new, touched: list):
+  """``loss_and_new`` that also lists in ``touched`` the States it reads or writes while it is traced."""
+
+  def recorded(*args):
+    with brainstate.StateTraceStack() as trace:  # the enclosing traces still see every access: stacks nest
+      out = loss_and_new(*args)
+    touched.extend(trace.states)
+    return out
+
+  return recorded
+
+
+def _check_mesh_option(mesh, mesh_axis) -> Optional[str]:
+  if mesh is not None and not isinstance(mesh, Mesh):
+    raise TypeError(f'mesh={mesh!r:.60} must be a jax.sharding.Mesh (or None), e.g. '
+                    f"mesh=jax.sharding.Mesh(jax.devices(), ('batch',)); got a {type(mesh).__name__}.")
+  if mesh_axis is not None and not isinstance(mesh_axis, str):
+    raise TypeError(f'{mesh_axis=} must be the name (a str) of an axis of the mesh.')
+  return check_mesh(mesh, mesh_axis)
+
+
+def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchPlan, batched, tree, samples_like,
+             randoms) -> Sums:
+  """:func:`accumulate` on each device's share of the batch (``plan``: one share's micro-batches), then the
+  devices' sums added by one all-reduce. Batched states are split like the arguments; others are replicated."""
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+  # Arrays enter the shards (split or replicated); Python numbers passed whole reach the loss as they are.
+  static = [a is None and not hasattr(x, 'shape') for x, a in zip(leaves, axes)]
+  specs = {state: batch_spec(axis, mesh_axis) for state, axis in batched}
+  share_like = [jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct((plan.batch_size,) + tuple(x.shape[1:]),
+                                                                      x.dtype), like) for like in samples_like]
+
+  def local(*mapped):
+    mapped = iter(mapped)
+    local_args = treedef.unflatten([x if s else next(mapped) for x, s in zip(leaves, static)])
+    params = jax.tree_util.tree_map(lambda s: s.value, tree, is_leaf=is_state)
+    with per_device_random(randoms, mesh_axis):
+      sums = accumulate(micro_fn, local_args, axes, plan, batched, params, share_like)
+    return sum_across_devices(tuple(sums[:4]), mesh_axis), sums.samples  # the one all-reduce of the call
+
+  run = brainstate.transform.shard_map(
+    local, mesh, in_specs=tuple(PartitionSpec() if a is None else batch_spec(a, mesh_axis)
+                                for a, s in zip(axes, static) if not s),
+    out_specs=(PartitionSpec(), [batch_spec(0, mesh_axis)] * len(share_like)),
+    state_in_specs=specs, state_out_specs=specs, check_vma=False)
+  (grad_sum, total, loss_sum, aux_sum), samples = run(*[bm.as_jax(x) for x, s in zip(leaves, static) if not s])
+  return Sums(grad_sum, total, loss_sum, aux_sum, samples)
+
+
+def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: Optional[int] = None,
+                       micro_batch_size: Optional[int] = None, grad_reduction: str = 'mean', has_aux: bool = False,
+                       return_value: bool = False, batch_axis: Any = 0, loss_weight_fn: Optional[Callable] = None,
+                       states: Any = None, mesh: Optional[Mesh] = None, mesh_axis: Optional[str] = None) -> Callable:
+  """``brainstate.transform.grad(loss_fn, grad_states)`` of a whole batch, computed over micro-batches.
+
+  Pseudo-code (one compiled ``scan``; float32 sums)::
+
+    for micro_args in micro_batches(args):            # 10 samples, N=4: 3 + 3 + 3 + 1
+      w = len(micro_args)                              # or loss_weight_fn(*micro_args); 1 for 'sum'
+      g, loss, aux = grad(loss_fn, grad_states)(*micro_args)
+      grad_sum += w * g;  loss_sum += w * loss;  aux_sum += w * aux;  total += w
+    return grad_sum / total, loss_sum / total, aux_sum / total   # 'sum': no division
+
+  With ``mesh`` each of the D devices of ``mesh_axis`` runs this loop on its contiguous share of B / D samples
+  (the micro-batch options describe one share) and the devices add their ``grad_sum, total, loss_sum, aux_sum``
+  in one all-reduce before the division: one all-reduce per call, outside every loop.
+
+  Parameters
+  ----------
+  loss_fn : callable
+    ``loss_fn(*args) -> loss`` (``(loss, aux)`` with ``has_aux``) of whatever batch it is given: a mean
+    over its samples for ``'mean'``, a sum for ``'sum'``.
+  grad_states : State or dict/list/pytree of States
+    As for ``brainstate.transform.grad``; brainpy Variables are States too.
+  num_micro_batch, micro_batch_size : int
+    Exactly one: at most N micro-batches of ``ceil(B / N)`` samples, or micro-batches of this many.
+  grad_reduction : {'mean', 'sum'}
+    ``'mean'`` weights micro-batches by sample count (or ``loss_weight_fn``); ``'sum'`` adds them.
+  has_aux, return_value : bool
+    As in ``brainstate.transform.grad``: ``grad_fn`` returns ``grads``, ``(grads, loss)``, ``(grads, aux)``
+    or ``(grads, loss, aux)``; aux (scalars or per-batch means) is combined like the loss. Gradients have
+    the parameters' dtypes, loss and aux float32 (or wider). One micro-batch is brainstate's result, bit for bit.
+  batch_axis : int, None or tuple
+    The batch axis of every argument leaf, or one entry per argument: an int, ``None`` (not cut), or a
+    pytree prefix of the argument.
+  loss_weight_fn : callable, optional
+    ``loss_weight_fn(*micro_args) -> weight`` for ``'mean'``, e.g. the valid steps of a masked loss: the
+    result is the gradient of ``sum(w_i * loss_i) / sum(w_i)``.
+  states : dict or list of States or of (State, axis) pairs, optional
+    The states cut with the batch (a bare State: its ``batch_axis``, else 0). By default, found by tracing
+    ``loss_fn`` once: brainpy Variables with a ``batch_axis``, and brainstate ShortTermStates (HiddenStates
+    among them) that hold the batch on axis 0 after the loss. Others (random keys, ...) carry over.
+  mesh : jax.sharding.Mesh, optional
+    Data parallelism over the devices of ``mesh_axis`` (D of them): every argument leaf with a batch axis, and
+    every batched state, is split along its batch axis into D equal shares (the batch size must be a multiple
+    of D; a ``ValueError`` says so before anything changes); ``grad_states`` and the other states are
+    replicated. Each device runs the micro-batches of its share (``num_micro_batch=N``: N per device), then
+    one all-reduce adds the devices' sums; the result equals the whole batch's, replicated. Random keys the
+    loss draws from are folded with the device index, so devices draw different numbers, and end as one key
+    shared by all. Other states the loss writes (counters, ...) are carried over each device's own
+    micro-batches and must end equal on every device. States the loss creates with the micro-batch on axis 0
+    are stitched from the devices' shares, as without a mesh. ``None`` (default): one device, no all-reduce.
+  mesh_axis : str, optional
+    The mesh axis that splits the batch; needed only when ``mesh`` has several axes (the others see the
+    batch replicated).
+
+  Returns
+  -------
+  callable
+    ``grad_fn(*args)``. Batched states end as one whole-batch call leaves them (each micro-batch starts
+    from its own samples), as do states the loss creates with the micro-batch on axis 0
+    (``init_all_states(model, size)``); random keys advance per micro-batch. A loss that writes states
+    needs ``brainstate.transform.jit`` or ``bm.jit`` (raw ``jax.jit`` refuses State writes, as for
+    ``brainstate.transform.grad``).
+
+  Raises
+  ------
+  TypeError
+    When the transform is made, for an option of the wrong type (``mesh`` not a ``jax.sharding.Mesh``, ...).
+  ValueError
+    When the transform is made, for inconsistent options (``mesh_axis`` not an axis of ``mesh``, ...); when
+    it is called, for arguments that do not fit them (a batch that ``mesh`` cannot split evenly, ...).
+
+  Examples
+  --------
+  >>> import brainstate, jax.numpy as jnp
+  >>> from brainpy_accum import micro_batched_grad
+  >>> w = brainstate.ParamState(jnp.ones(3))
+  >>> def loss_fn(x, y):
+  ...   return jnp.mean((x @ w.value - y) ** 2)
+  >>> x, y = jnp.arange(30.).reshape(10, 3) / 10, jnp.ones(10)
+  >>> grads, loss = micro_batched_grad(loss_fn, {'w': w}, num_micro_batch=4, return_value=True)(x, y)
+  >>> whole = brainstate.transform.grad(loss_fn, {'w': w})(x, y)
+  >>> bool(jnp.allclose(grads['w'], whole['w'], rtol=1e-5)), bool(jnp.allclose(loss, loss_fn(x, y)))
+  (True, True)
+
+  The same over the devices of a mesh (one here; with D devices the batch must be a multiple of D):
+
+  >>> import jax, numpy as np
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('batch',))
+  >>> sharded = micro_batched_grad(loss_fn, {'w': w}, num_micro_batch=2, mesh=mesh)(x, y)
+  >>> bool(jnp.allclose(sharded['w'], whole['w'], rtol=1e-5))
+  True
+  """
+  _check_options(loss_fn, grad_states, num_micro_batch, micro_batch_size, grad_reduction,
+                 {'has_aux': has_aux, 'return_value': return_value}, loss_weight_fn)
+  mesh_axis = _check_mesh_option(mesh, mesh_axis)
+  mesh = None if mesh is None else auto_axes(mesh)
+  named = named_states(states)
+  grad_ids = {id(s) for s in jax.tree_util.tree_leaves(grad_states, is_leaf=is_state)}
+  tree = dict(grad_states) if isinstance(grad_states, dict) else grad_states  # as brainstate shapes the grads
+
+  def weigh(micro_args, size):
+    if grad_reduction == 'sum' or loss_weight_fn is None:
+      return jnp.asarray(1 if grad_reduction == 'sum' else size, jnp.float32)
+    weight = jnp.asarray(bm.as_jax(loss_weight_fn(*micro_args)), jnp.float32)
+    if weight.shape != ():
+      raise ValueError(f'loss_weight_fn must return a scalar weight; it returned shape {weight.shape}.')
+    return weight
+
+  def grad_fn(*args):
+    axes, batch = _leaf_axes(args, batch_axis)
+    share = batch if mesh is None else check_divisible(batch, mesh_size(mesh, mesh_axis), mesh_axis)
+    plan = plan_micro_batches(share, num_micro_batch=num_micro_batch, micro_batch_size=micro_batch_size)
+    log = []
+    loss_and_new = loss_catching_new_states(loss_fn, has_aux, log)
+    params = jax.tree_util.tree_map(lambda s: s.value, tree, is_leaf=is_state)
+    if mesh is not None:
+      touched = []
+      batched, keep, samples_like = prepare_states(named, _recording(loss_and_new, touched), args, batch, grad_ids,
+                                                   weigh)
+      cut = {id(s) for s, _ in batched}
+      randoms = list({id(s): s for s in touched
+                      if isinstance(s, brainstate.random.RandomState) and id(s) not in cut}.values())
+      with declared_batch_axes(batched):
+        sums = _on_mesh(mesh, mesh_axis, _micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan,
+                        batched, tree, samples_like, randoms)
+      grads = finish_grads(sums.grad_sum, sums.total_weight, grad_reduction, params)
+      loss, aux = finish_values((sums.loss_sum, sums.aux_sum), sums.total_weight, grad_reduction)
+      samples, created = sums.samples, [log[-1][i] for i in keep]
+    elif plan.num_micro_batches == 1:  # brainstate's own result, bit for bit
+      grads, loss, aux, _, samples = _micro_fn(loss_and_new, grad_states, weigh, None)(args, batch)
+      created = log[-1]
+    else:
+      batched, keep, samples_like = prepare_states(named, loss_and_new, args, batch, grad_ids, weigh)
+      with declared_batch_axes(batched):
+        sums = accumulate(_micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched, params,
+                          samples_like)
+      grads = finish_grads(sums.grad_sum, sums.total_weight, grad_reduction, params)
+      loss, aux = finish_values((sums.loss_sum, sums.aux_sum), sums.total_weight, grad_reduction)
+      samples, created = sums.samples, [log[-1][i] for i in keep]
+    for state, value in zip(created, samples):
+      state.value = value  # the States the loss created last, which the model now holds
+    if return_value:
+      return (grads, loss, aux) if has_aux else (grads, loss)
+    return (grads, aux) if has_aux else grads
+
+  return grad_fn

@@ -1,0 +1,253 @@
+"""Which model states a micro-batch cuts, and along which axis.
+
+Each micro-batch must start from its own samples of the batch's model state and leave its final state there,
+so that the state after the batch is the whole batch's. The rule, for the states the loss touches when it is
+traced (not run) on the whole batch:
+
+- a brainpy ``Variable`` with a ``batch_axis`` (BrainPy's layers set it), not a ``TrainVar``: cut on that axis;
+- a brainpy ``Variable`` without one (``bm.Variable(bm.zeros((batch_size, n)))``, as some of BrainPy's
+  examples write), not a ``TrainVar`` nor a random state, whose leading axis holds as many rows as the
+  batch has samples (and the batch more than one): cut on axis 0, with a one-time warning that names it
+  (see :func:`implicit_batch_axis`);
+- a brainstate ``ShortTermState`` (``HiddenState`` is one) whose every leaf holds the batch on axis 0 once the
+  whole-batch loss has run: cut on axis 0;
+- any other state (parameters, random keys, counters, states without the batch): carried from one
+  micro-batch to the next, so each micro-batch updates it in turn where a whole-batch run updates it once.
+
+A cut state that holds one sample, or none, on its batch axis (``model.reset(1)``, ``init_all_states(model)``)
+is broadcast to the batch first, as the whole-batch run broadcasts it. A state the loss creates itself
+(``init_all_states(model, size)`` inside the loss) is caught as it is created; those with the micro-batch on
+axis 0 are stitched back into whole-batch values. ``states=`` replaces the rule.
+"""
+
+import contextlib
+import warnings
+from typing import Optional
+
+import brainpy.math as bm
+import brainstate
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ['all_samples', 'batched_variables', 'declared_batch_axes', 'whole_batch_variables', 'implicit_batch_axis', 'variable_batch_axis', 'batch_axis_of', 'batch_shapes', 'discover_states', 'is_state', 'loss_catching_new_states', 'named_states',
+           'prepare_states', 'restore_values', 'values_of', 'values_restored', 'whole_batch']
+
+
+def is_state(x) -> bool:
+  return isinstance(x, brainstate.State)
+
+
+def named_states(states):
+  """``states=`` as ``(State, axis)`` pairs: a bare State takes its ``batch_axis`` if it has one, else 0."""
+  if states is None:
+    return None
+  items = states.values() if isinstance(states, dict) else states if isinstance(states, (list, tuple)) else [states]
+  pairs = []
+  for item in items:
+    state, axis = item if isinstance(item, tuple) and len(item) == 2 else (item, getattr(item, 'batch_axis', None) or 0)
+    if not is_state(state) or isinstance(axis, bool) or not isinstance(axis, int):
+      raise TypeError(f'states= holds {item!r:.60}: give a dict or list of States, or of (State, batch_axis) pairs.')
+    pairs.append((state, axis))
+  return pairs
+
+
+_warned_implicit = set()
+
+
+def implicit_batch_axis(name: str, var, batch: int) -> Optional[int]:
+  """0 when ``var``, a state Variable without a ``batch_axis``, holds one row per sample of the batch.
+
+  BrainPy's ``bp.BPTT`` never cuts a batch, so it trains such a state whatever its axes; cutting it into
+  micro-batches needs to know which axis holds the samples. The rule: a non-trainable, non-random Variable
+  with no ``batch_axis``, of two or more dimensions, whose leading axis equals the batch size (after
+  ``reset``) and which is not square in the batch size (``(B, B)``, ``(B, B, B)``), for a batch of more than
+  one sample, holds the batch on axis 0 (``bm.Variable(bm.zeros((batch_size, n)))``). It warns once per
+  Variable, naming it and the fix (``batch_axis=0`` in its declaration). One-dimensional states are never
+  cut (a per-neuron statistic such as BatchNorm's running mean of 8 features at batch 8 is not per-sample);
+  a ``(batch_size,)`` per-sample state needs ``batch_axis=0``. Ambiguous case: a non-per-sample state of
+  two or more dimensions whose leading axis happens to equal the batch size (a ``(64, 10)`` table at batch
+  64) would be cut too: use another batch size, or keep such tables as ``TrainVar`` or constants.
+  """
+  if isinstance(var, (bm.TrainVar, brainstate.random.RandomState)) or getattr(var, 'batch_axis', None) is not None:
+    return None
+  shape = np.shape(var.value)
+  if batch <= 1 or len(shape) < 2 or shape[0] != batch or all(n == batch for n in shape):
+    return None
+  if id(var) not in _warned_implicit:
+    _warned_implicit.add(id(var))
+    warnings.warn(f'Model state {name} of shape {shape} has no batch_axis, but its leading axis holds the '
+                  f'{batch} samples of the batch: each micro-batch gets its rows (axis 0), as bp.BPTT on the '
+                  f'whole batch would use them. Declare it with batch_axis=0 (bm.Variable(..., batch_axis=0)) to '
+                  f'say so and silence this warning; if it is not per-sample, use a batch size other than '
+                  f'{shape[0]}.', UserWarning, stacklevel=3)
+  return 0
+
+
+def variable_batch_axis(name: str, var, batch: int) -> Optional[int]:
+  """The axis along which micro-batches cut the brainpy Variable ``var`` (``None``: not cut)."""
+  if isinstance(var, bm.TrainVar):
+    return None
+  axis = getattr(var, 'batch_axis', None)
+  return axis if axis is not None else implicit_batch_axis(name, var, batch)
+
+
+@contextlib.contextmanager
+def declared_batch_axes(pairs):
+  """While inside, each brainpy Variable of the ``(state, axis)`` pairs that has no ``batch_axis`` has ``axis``.
+
+  A brainpy Variable without a ``batch_axis`` refuses values of another shape, so a state found by
+  :func:`implicit_batch_axis` could not hold a micro-batch's rows; declaring its axis for the duration of
+  the step lets it, as ``batch_axis=0`` in the user's declaration would. Restored on exit.
+  """
+  undeclared = [(s, a) for s, a in pairs if isinstance(s, bm.Variable) and getattr(s, 'batch_axis', None) is None]
+  for state, axis in undeclared:
+    object.__setattr__(state, '_batch_axis', axis)
+  try:
+    yield
+  finally:
+    for state, _ in undeclared:
+      object.__setattr__(state, '_batch_axis', None)
+
+
+def batch_axis_of(state, batch: int, final) -> Optional[int]:
+  """The discovery rule: the axis along which micro-batches cut ``state``; ``final``: its shapes after the loss."""
+  if isinstance(state, bm.Variable):
+    return variable_batch_axis(getattr(state, 'name', type(state).__name__), state, batch)
+  ends = jax.tree_util.tree_leaves(final) if isinstance(state, brainstate.ShortTermState) else []
+  return 0 if ends and all(len(x.shape) and x.shape[0] == batch for x in ends) else None
+
+
+def batch_shapes(state, axis: int, batch: int):
+  """The shapes of ``state``'s leaves with ``batch`` samples on ``axis``, for a state named by ``states=``."""
+  def shape(x):
+    if np.ndim(x) <= axis:
+      raise ValueError(f'states= names a {type(state).__name__} of shape {np.shape(x)}, which has no batch axis '
+                       f'{axis}. Give (state, axis) with the axis that holds the samples.')
+    return jax.ShapeDtypeStruct(np.shape(x)[:axis] + (batch,) + np.shape(x)[axis + 1:], jnp.result_type(x))
+  return jax.tree_util.tree_map(shape, state.value)
+
+
+def whole_batch(state, axis: int, shapes):
+  """The state's value with the batch on ``axis`` as in ``shapes``; a single sample (or none) is broadcast."""
+  def fit(x, like):
+    if np.shape(x) == like.shape:
+      return x
+    if np.ndim(x) <= len(like.shape) and all(a in (1, b) for a, b in zip(np.shape(x)[::-1], like.shape[::-1])):
+      return jnp.broadcast_to(x, like.shape)
+    raise ValueError(f'A batched {type(state).__name__} has shape {np.shape(x)}, but the batch needs {like.shape} '
+                     f'(batch on axis {axis}). Reset the states at the batch size first (brainpy: model.reset('
+                     f'{like.shape[axis]}); brainstate: brainstate.nn.init_all_states(model, {like.shape[axis]})), '
+                     f'or name the batched states and their axes with states=.')
+  return jax.tree_util.tree_map(fit, state.value, shapes)
+
+
+def loss_catching_new_states(loss_fn, has_aux: bool, log: list):
+  """``loss_fn`` returning ``(loss, (aux, new state values))``; ``log`` gets each trace's new States."""
+
+  def loss_and_new_states(*args):
+    with brainstate.catch_new_states() as caught:
+      out = loss_fn(*args)
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(f'With has_aux=True loss_fn must return (loss, aux); it returned a {type(out).__name__}.')
+    loss, aux = out if has_aux else (out, None)
+    if np.shape(loss) != ():
+      raise ValueError(f'loss_fn must return a scalar loss; it returned shape {np.shape(loss)}. Average or sum it '
+                       f'over the samples, or set has_aux=True if it returns (loss, aux).')
+    log.append(list(caught.states))
+    return loss, (aux, [s.value for s in caught.states])
+
+  return loss_and_new_states
+
+
+def discover_states(loss_and_new, args, batch: int, skip: set, weigh):
+  """Trace the loss on the whole batch (tracing only).
+
+  Returns the batched states as ``(State, axis, shapes)``, the indices of the new states to stitch (the
+  micro-batch on axis 0) and their whole-batch shapes.
+  """
+
+  def probe(*whole):
+    weigh(whole, batch)  # a bad loss_weight_fn fails here, before any state changes
+    return loss_and_new(*whole)[1][1]
+
+  traced = brainstate.transform.StatefulFunction(probe, return_only_write=False)
+  traced.make_jaxpr(*args)
+  new_shapes, state_shapes = traced.get_out_shapes(*args)
+  found = [(s, batch_axis_of(s, batch, final), final)
+           for s, final in zip(traced.get_states(*args), state_shapes) if id(s) not in skip]
+  keep = [i for i, tree in enumerate(new_shapes)
+          if all(len(x.shape) and x.shape[0] == batch for x in jax.tree_util.tree_leaves(tree))]
+  return [f for f in found if f[1] is not None], keep, [new_shapes[i] for i in keep]
+
+
+def prepare_states(named, loss_and_new, args, batch: int, skip: set, weigh):
+  """Set the batched states to whole-batch values; return them as ``(State, axis)``, and the new states to stitch."""
+  if named is not None:  # named states fail before anything is traced
+    named = [(s, a, batch_shapes(s, a, batch)) for s, a in named]
+    values = [whole_batch(s, a, shapes) for s, a, shapes in named]
+  found, keep, samples_like = discover_states(loss_and_new, args, batch, skip, weigh)
+  if named is None:
+    named, values = found, [whole_batch(s, a, shapes) for s, a, shapes in found]
+  for (state, _, _), value in zip(named, values):
+    state.value = value
+  return [(s, a) for s, a, _ in named], keep, samples_like
+
+
+def batched_variables(model, batch_size: Optional[int]) -> dict:
+  """``{name: (Variable, batch axis)}`` of ``model``'s brainpy Variables that micro-batches cut."""
+  found = {k: (v, variable_batch_axis(k, v, batch_size or 0)) for k, v in model.vars().unique().items()}
+  return {k: (v, axis) for k, (v, axis) in found.items() if axis is not None}
+
+
+@contextlib.contextmanager
+def whole_batch_variables(model, batch_size: int, whole: bool = True):
+  """``model``'s batched Variables as ``(Variable, axis)`` pairs, their axes declared while inside
+  (:func:`declared_batch_axes`); with ``whole`` first set to the whole batch's values (a single sample is
+  repeated, as the whole-batch run broadcasts it; another size raises)."""
+  states = batched_variables(model, batch_size)
+  with declared_batch_axes(states.values()):
+    for name, (var, axis) in states.items() if whole else ():
+      var.value = all_samples(name, var, axis, batch_size)
+    yield list(states.values())
+
+
+def all_samples(name: str, var, axis: int, batch_size: int):
+  """The Variable's value holding every sample of the batch: a single sample is repeated (as the whole-batch
+  run broadcasts it); another size raises, naming the fix."""
+  value = bm.as_jax(var.value)
+  if value.shape[axis] not in (1, batch_size):
+    raise ValueError(f'Model state {name} holds {value.shape[axis]} samples along its batch axis {axis}, but '
+                     f'the batch has {batch_size}. Call model.reset({batch_size}) first, or fit with '
+                     f'reset_state=True.')
+  return value if value.shape[axis] == batch_size else jnp.repeat(value, batch_size, axis=axis)
+
+
+def values_of(variables) -> list:
+  """The current values of ``variables`` (Variables, random states), to give back with :func:`restore_values`."""
+  return [v.value for v in variables]
+
+
+def restore_values(variables, values, *, any_shape: bool = False) -> None:
+  """Give ``variables`` the ``values`` that :func:`values_of` took.
+
+  Inside a traced function this is a traced write, like any ``value`` assignment. ``any_shape`` assigns
+  ``_value`` instead, bypassing the shape check, for Variables whose shape changed since (a model reset at
+  another batch size); outside traced functions only.
+  """
+  for var, value in zip(variables, values):
+    if any_shape:
+      var._value = value
+    else:
+      var.value = value
+
+
+@contextlib.contextmanager
+def values_restored(variables, *, any_shape: bool = False):
+  """While inside, ``variables`` may change (trial compilations, resets that draw random numbers); on exit,
+  also after an error, they have their values back (:func:`restore_values`)."""
+  saved = values_of(variables)
+  try:
+    yield
+  finally:
+    restore_values(variables, saved, any_shape=any_shape)

@@ -1,0 +1,195 @@
+"""Exact gradients of a loss of the whole batch's outputs, one micro-batch's activations at a time.
+
+A loss that couples the samples of a batch (a firing-rate regulariser over the batch, a batch maximum, a
+contrastive loss) is not the weighted mean of its micro-batch values, so the default accumulation trains
+another objective. Two passes inside one compiled step make it exact, in the manner of the gradient cache
+for contrastive losses (Gao et al. 2021, arXiv:2101.06983):
+
+1. :func:`forward_outputs` runs every micro-batch forward, without a backward pass, keeping only its
+   outputs (what the loss receives), written into whole-batch buffers;
+2. the loss of the whole batch's outputs and its gradient with respect to them (``jax.vjp``);
+3. :func:`pull_back` runs every micro-batch again, forward and backward, from the same initial state (the
+   caller restores states and random keys), pulling back its slice of that gradient; the sum over
+   micro-batches is the whole batch's gradient.
+
+Memory: the whole batch's outputs plus one micro-batch's activations; compute: one extra forward pass.
+Outputs that do not carry the batch (e.g. a monitored parameter) are taken from the last micro-batch and
+treated as constants by the gradient.
+"""
+
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import brainpy.math as bm
+import brainstate
+import jax
+import jax.numpy as jnp
+
+from ._accumulate import MicroResult, Sums, accumulate
+from ._batch import is_array, take_samples
+from ._cut import MicroBatchPlan
+from ._states import restore_values, values_of
+
+__all__ = ['Devices', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes', 'pull_back',
+           'second_sizes', 'traced_shapes', 'two_pass_sums', 'whole_batch_like']
+
+
+def output_axes(small, large) -> List[Optional[int]]:
+  """The batch axis of every output leaf, from its shapes at two micro-batch sizes (``None``: no batch axis).
+
+  Raises ``ValueError`` for a leaf whose shape changes with the batch size on more than one axis.
+  """
+  axes = []
+  for path_a, b in zip(jax.tree_util.tree_flatten_with_path(small)[0], jax.tree_util.tree_leaves(large)):
+    path, a = path_a
+    moved = [i for i, (n, m) in enumerate(zip(a.shape, b.shape)) if n != m]
+    if len(moved) > 1 or len(a.shape) != len(b.shape):
+      raise ValueError(f'The model output predicts{jax.tree_util.keystr(path)} has shape {a.shape} for one '
+                       f'micro-batch and {b.shape} for another: its batch must lie on one axis for '
+                       f'whole_batch_loss=True to stitch the micro-batches together.')
+    axes.append(moved[0] if moved else None)
+  return axes
+
+
+def whole_batch_like(shapes, axes: Sequence[Optional[int]], batch_size: int):
+  """``shapes`` (one micro-batch's outputs) with ``batch_size`` samples on each leaf's batch axis."""
+  leaves, treedef = jax.tree_util.tree_flatten(shapes)
+  whole = [x if a is None else jax.ShapeDtypeStruct(x.shape[:a] + (batch_size,) + x.shape[a + 1:], x.dtype)
+           for x, a in zip(leaves, axes)]
+  return treedef.unflatten(whole)
+
+
+def traced_shapes(forward: Callable, args: tuple, axes, states: Sequence[Tuple[Any, int]], sizes):
+  """The shapes of ``forward(micro_args, n)`` for each ``n`` in ``sizes``: traced only, nothing changes.
+
+  ``states`` hold the whole batch's values; each trace starts from their first ``n`` samples.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+  values = [state.value for state, _ in states]
+
+  def at(n):
+    def run(*cut):
+      for (state, axis), value in zip(states, values):
+        state.value = take_samples(value, axis, 0, n)
+      return forward(treedef.unflatten(cut), n)
+
+    cut = [x if a is None else take_samples(x, a, 0, n) for x, a in zip(leaves, axes)]
+    traced = brainstate.transform.StatefulFunction(run, return_only_write=False)
+    traced.make_jaxpr(*cut)
+    return traced.get_out_shapes(*cut)[0]
+
+  return [at(n) for n in sizes]
+
+
+def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states, outputs_like,
+                    out_axes, micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None):
+  """Pass 1: every micro-batch forward, without gradients; returns the core's ``Sums`` whose ``samples`` are
+  the whole batch's outputs. With ``micro_loss(outputs, micro_args) -> (loss, aux)`` and ``weigh``, the
+  sums also hold each micro-batch's own loss and metrics (weighted), for the default mode's check."""
+
+  def micro_fn(micro_args, size):
+    outputs = jax.lax.stop_gradient(forward(micro_args, size))
+    if micro_loss is None:
+      return MicroResult(None, jnp.zeros((), jnp.float32), {}, jnp.asarray(size, jnp.float32), outputs)
+    loss, aux = micro_loss(outputs, micro_args)
+    return MicroResult(None, loss, aux, weigh(micro_args, size), outputs)
+
+  return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes)
+
+
+def loss_and_cotangents(loss_of: Callable, outputs) -> Tuple[Any, Any, Any]:
+  """``(loss, aux, d loss / d outputs)`` of ``loss_of(outputs) -> (loss, aux)`` on the whole batch."""
+  loss, pull, aux = jax.vjp(loss_of, outputs, has_aux=True)
+  (cotangents,) = pull(jnp.ones_like(loss))
+  return loss, aux, cotangents
+
+
+def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroBatchPlan, states, cotangents,
+              out_axes, grads_like):
+  """Pass 2: every micro-batch forward and backward, pulling back its slice of ``cotangents``.
+
+  ``grad(fn)(micro_args) -> grads`` differentiates the scalar ``fn(micro_args)`` with respect to the
+  parameters. Returns the summed gradient (accumulator precision), the whole batch's.
+  """
+  cot_leaves, cot_def = jax.tree_util.tree_flatten(cotangents)
+  kept = [c if a is not None else jnp.zeros_like(c) for c, a in zip(cot_leaves, out_axes)]
+
+  def pulled(micro_args, size):
+    *model_args, micro_cot = micro_args
+    outputs = jax.tree_util.tree_leaves(forward(tuple(model_args), size))
+    return sum(jnp.vdot(o, c.astype(o.dtype)).real for o, c in zip(outputs, jax.tree_util.tree_leaves(micro_cot)))
+
+  def micro_fn(micro_args, size):
+    grads = grad(lambda *a: pulled(a, size))(*micro_args)
+    one = jnp.ones((), jnp.float32)
+    return MicroResult(grads, jnp.zeros((), jnp.float32), {}, one)
+
+  sums = accumulate(micro_fn, tuple(args) + (cot_def.unflatten(kept),), list(axes) + list(out_axes), plan, states,
+                    grads_like)
+  return sums.grad_sum
+
+
+def forward_pass(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states,
+                 micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None):
+  """Pass 1 from the ``states``' whole-batch values, the outputs' batch axes traced first.
+
+  Returns :func:`forward_outputs`' sums (``samples``: the whole batch's outputs) and the outputs' batch axes.
+  """
+  small, large = traced_shapes(forward, args, axes, states, second_sizes(plan))
+  out_axes = output_axes(small, large)
+  outputs_like = whole_batch_like(small, out_axes, plan.batch_size)
+  return forward_outputs(forward, args, axes, plan, states, outputs_like, out_axes, micro_loss, weigh), out_axes
+
+
+class Devices(NamedTuple):
+  """Inside ``shard_map``: the mesh axis the batch is split over, and its number of devices."""
+  axis: str
+  count: int
+
+
+def gather_outputs(outputs, out_axes, devices: Devices):
+  """Every device's share of the outputs, joined on their batch axes into the whole batch's (one all-gather)."""
+  leaves, treedef = jax.tree_util.tree_flatten(outputs)
+  return treedef.unflatten([x if a is None else jax.lax.all_gather(x, devices.axis, axis=a, tiled=True)
+                            for x, a in zip(leaves, out_axes)])
+
+
+def own_share(cotangents, out_axes, share: int, devices: Devices):
+  """This device's samples of the whole batch's ``cotangents``."""
+  start = jax.lax.axis_index(devices.axis) * share
+  leaves, treedef = jax.tree_util.tree_flatten(cotangents)
+  return treedef.unflatten([c if a is None else jax.lax.dynamic_slice_in_dim(c, start, share, axis=a)
+                            for c, a in zip(leaves, out_axes)])
+
+
+def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], replayed: Sequence, args: tuple,
+                  axes, plan: MicroBatchPlan, states, devices: Optional[Devices] = None) -> Sums:
+  """The whole step: pass 1, ``loss_of(outputs) -> (loss, aux)`` once, pass 2: the gradient with respect to
+  the Variables ``params`` (``None``: no pass 2).
+
+  ``replayed``: the states (model states, random keys) that pass 2 starts again from where pass 1 started.
+  The result is already the whole batch's (weight ``1``): its gradient, loss and metrics. With ``devices``
+  (inside ``shard_map``, ``args`` this device's share) the outputs are gathered, every device evaluates the
+  loss of the whole batch, pulls back its own share of the loss gradient, and returns weight ``1 / D``, so
+  that the one sum over devices that follows gives the whole batch's gradient, loss and metrics.
+  """
+  before = values_of(replayed)
+  sums, out_axes = forward_pass(forward, args, axes, plan, states)
+  outputs = sums.samples if devices is None else gather_outputs(sums.samples, out_axes, devices)
+  loss, aux, cotangents = loss_and_cotangents(loss_of, outputs)
+  weight = 1. if devices is None else 1. / devices.count
+  loss, aux = jax.tree_util.tree_map(lambda v: v * weight, (loss, aux)) if devices is not None else (loss, aux)
+  if params is None:
+    return Sums(None, weight, loss, aux, None)
+  restore_values(replayed, before)  # pass 2 starts where pass 1 started: same states, same random keys
+  if devices is not None:
+    cotangents = own_share(cotangents, out_axes, plan.batch_size, devices)
+  grad = lambda f: lambda *a: {k: bm.as_jax(g) for k, g in bm.grad(f, grad_vars=params)(*a).items()}
+  grads = pull_back(forward, grad, args, axes, plan, states, cotangents, out_axes,
+                    {k: v.value for k, v in params.items()})
+  return Sums(grads, weight, loss, aux, None)
+
+
+def second_sizes(plan: MicroBatchPlan) -> Tuple[int, int]:
+  """Two different micro-batch sizes to trace the outputs at, so that their batch axes show."""
+  size = plan.micro_batch_size
+  return size, (plan.remainder if plan.remainder else (size - 1 if size > 1 else 2))

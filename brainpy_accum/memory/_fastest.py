@@ -1,0 +1,132 @@
+"""Choosing the fastest (micro-batch size, remat) plan that fits a memory budget (``remat='auto'``).
+
+A budget can be met by two levers: more micro-batches (smaller activations, but more, smaller sequential
+steps) or remat (activations of ``sqrt(T)`` steps, for about one extra forward pass). Which is faster depends
+on the model and the device, so the planner measures rather than guesses. For each remat option a
+bisection (:func:`~brainpy_accum.memory._budget.largest_fitting`) finds the largest micro-batch that fits
+(memory by ahead-of-time compilation), searching remat plans only above the largest micro-batch that fits without remat (at or below
+it the same cut without remat is faster); a couple of finer cuts are added (small micro-batches can be faster
+on caches), and the fitting candidates are timed with a few trial steps, interleaved round by round; the
+fastest wins.
+
+XLA's ``cost_analysis()`` is not used to estimate time: it counts the body of a loop once, not once per
+iteration, so its flops fall with the micro-batch size although the step's work does not.
+"""
+
+import statistics
+import time
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+from ..core._cut import describe_remat
+from ._budget import candidate_micro_batch_sizes, format_memory, largest_fitting
+
+__all__ = ['Candidate', 'REMAT_OPTIONS', 'choose_fastest_plan', 'time_steps', 'describe_choice']
+
+Remat = Union[bool, int]
+REMAT_OPTIONS: Tuple[Remat, ...] = (False, True)  # other segment lengths keep more than sqrt(T) for the same compute
+
+
+class Candidate(NamedTuple):
+  """One (micro-batch size, remat) plan the planner weighed: its memory and, if it fits, its trial step time."""
+  micro_batch_size: int
+  remat: Remat
+  bytes: int
+  fits: bool
+  seconds: Optional[float] = None
+
+
+def finer_sizes(batch_size: int, size: int, finer: int) -> List[int]:
+  """``size`` and the micro-batch sizes of ``2, 4, ... 2**finer`` times as many micro-batches, largest first."""
+  count = -(-batch_size // size)
+  sizes = [size] + [-(-batch_size // (count * 2 ** k)) for k in range(1, finer + 1)]
+  return sorted({s for s in sizes if s <= size}, reverse=True)
+
+
+def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Remat], int],
+                        step_time: Callable[[Sequence[Tuple[int, Remat]]], Sequence[float]], *,
+                        remat_options: Sequence[Remat] = REMAT_OPTIONS, finer: int = 2
+                        ) -> Tuple[Candidate, List[Candidate]]:
+  """Return ``(chosen, weighed)``: the fastest fitting candidate and every candidate weighed.
+
+  ``measure(size, remat)`` gives the bytes of the step compiled for micro-batches of ``size`` with that
+  remat; ``step_time(pairs)`` the step time of each ``(size, remat)`` pair (called once, with all the
+  fitting ones, so that they can be timed in interleaved rounds).
+
+  Raises
+  ------
+  ValueError
+    If no remat option fits even at one sample per micro-batch, naming the smallest budget that would.
+
+  Examples
+  --------
+  >>> need = lambda size, remat: size * (1 if remat else 4)  # remat keeps a quarter of the bytes
+  >>> cost = lambda pairs: [(64 // size) * (1.3 if remat else 1.) for size, remat in pairs]
+  >>> chosen, weighed = choose_fastest_plan(64, 100, need, cost)
+  >>> chosen.micro_batch_size, chosen.remat, chosen.seconds
+  (64, True, 1.3)
+  """
+  weighed, largest, one_sample = [], {}, []
+  for remat in remat_options:
+    measured = {}
+
+    def measure_one(size, remat=remat, measured=measured):
+      measured[size] = measure(size, remat)
+      return measured[size]
+
+    # remat plans only matter above the largest micro-batch that fits without remat: at or below it, that is faster
+    sizes = [size for size in candidate_micro_batch_sizes(batch_size) if not remat or size > largest.get(False, 0)]
+    found = largest_fitting(sizes, budget, measure_one) if sizes else None
+    if found is not None:
+      largest[remat] = found[0]
+    elif 1 in measured:
+      one_sample.append(measured[1])
+    too_big = [size for size, used in measured.items() if used > budget]
+    if too_big:  # the boundary: the smallest micro-batch that did not fit
+      weighed.append(Candidate(min(too_big), remat, measured[min(too_big)], False))
+  if not largest:
+    need = min(one_sample)
+    raise ValueError(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
+                     f'one sample with remat need {format_memory(need)} ({need} bytes) for a batch of '
+                     f'{batch_size}. Raise memory_budget to at least {need}.')
+  without_remat = largest.get(False, 0)
+  pairs = [(size, remat) for remat, top in largest.items() for size in finer_sizes(batch_size, top, finer)
+           if not remat or size > without_remat]  # a cut that fits without remat is faster without it
+  used = [measure(size, remat) for size, remat in pairs]
+  fitting = [pair for pair, bytes_ in zip(pairs, used) if bytes_ <= budget]
+  seconds = dict(zip(fitting, step_time(fitting)))
+  weighed += [Candidate(size, remat, bytes_, (size, remat) in seconds, seconds.get((size, remat)))
+              for (size, remat), bytes_ in zip(pairs, used)]
+  weighed.sort(key=lambda c: (bool(c.remat), -c.micro_batch_size))
+  return min((c for c in weighed if c.fits), key=lambda c: c.seconds), weighed
+
+
+def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3) -> List[float]:
+  """Median seconds of each ``run()`` (which must block until done): one warm-up each, then ``rounds``
+  interleaved rounds, so that a slow moment of the machine slows every candidate alike."""
+  for run in runs:
+    run()
+  times = [[] for _ in runs]
+  for _ in range(rounds):
+    for run, spent in zip(runs, times):
+      start = time.perf_counter()
+      run()
+      spent.append(time.perf_counter() - start)
+  return [statistics.median(spent) for spent in times]
+
+
+def describe_choice(batch_size: int, budget: int, chosen: Candidate, weighed: Sequence[Candidate]) -> str:
+  """The table of the candidates weighed and a line saying why ``chosen`` won."""
+  lines = [f'memory plan for batch {batch_size}, memory_budget {format_memory(budget)}, remat=\'auto\' '
+           f'(step times: medians of trial steps):',
+           f'  {"micro-batch":>11}  {"remat":<20} {"memory":>10}  {"step time":>9}  fits']
+  for c in weighed:
+    shown = '-' if c.seconds is None else f'{c.seconds * 1e3:.1f} ms'
+    mark = '  <- chosen' if c == chosen else ''
+    lines.append(f'  {c.micro_batch_size:>11}  {describe_remat(c.remat):<20} {format_memory(c.bytes):>10}  '
+                 f'{shown:>9}  {"yes" if c.fits else "no"}{mark}')
+  memory_only = max((c for c in weighed if c.fits and not c.remat), key=lambda c: c.micro_batch_size, default=None)
+  why = f'chose micro-batches of {chosen.micro_batch_size}, remat {describe_remat(chosen.remat)}: the fastest that fits'
+  if memory_only is not None and memory_only != chosen:
+    why += (f'; the fewest micro-batches without remat ({memory_only.micro_batch_size} each) take '
+            f'{memory_only.seconds / chosen.seconds:.2f}x as long')
+  return '\n'.join(lines + [why])

@@ -1,0 +1,72 @@
+"""Batches larger than the device: streamed from the host in chunks, still one exact update per batch.
+
+The whole batch's inputs and targets are arguments of the compiled train step, so beyond some batch size
+they alone exceed ``memory_budget``, however finely the step cuts them. With ``num_micro_batch='auto'``
+and a ``memory_budget`` such a batch is then cut on the host into chunks whose step fits; each chunk is
+sent to the device and its weighted gradient sums added to the ``accumulate_steps`` window (no update),
+and the last chunk closes the window: one optimizer update per batch, the update of the whole batch. The
+largest trainable batch is then bounded by host memory only.
+
+These are the host-side pieces: which chunk sizes to try, slicing the batch, and combining the chunks'
+losses and metrics into the batch's, as :class:`brainpy.BPTT` would report them.
+"""
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+
+from ..core._batch import is_array
+
+__all__ = ['chunk_candidates', 'chunk_sizes', 'host_chunk', 'combine']
+
+
+def chunk_candidates(batch_size: int) -> List[int]:
+  """Chunk sizes to try, largest first: the batch cut into 2, 4, 8, ... nearly equal chunks.
+
+  Examples
+  --------
+  >>> chunk_candidates(10)
+  [5, 3, 2, 1]
+  """
+  sizes, parts = [], 2
+  while parts < 2 * batch_size:
+    size = -(-batch_size // parts)
+    if size not in sizes:
+      sizes.append(size)
+    parts *= 2
+  return sizes
+
+
+def chunk_sizes(batch_size: int, chunk: int) -> List[int]:
+  """The chunks of a batch: full chunks of ``chunk`` samples and a shorter last one.
+
+  Examples
+  --------
+  >>> chunk_sizes(10, 4)
+  [4, 4, 2]
+  """
+  full, rest = divmod(batch_size, chunk)
+  return [chunk] * full + ([rest] if rest else [])
+
+
+def host_chunk(tree, axes, start: int, size: int):
+  """Samples ``start .. start + size`` of every leaf, sliced where the data lives (NumPy stays on the host)."""
+  def take(x, axis):
+    index = (slice(None),) * axis + (slice(start, start + size),)
+    return x[index]
+  return jax.tree_util.tree_map(take, tree, axes, is_leaf=is_array)
+
+
+def combine(results: Sequence[Tuple[Any, dict]], weights: Optional[Sequence[float]], reduction: str):
+  """The batch's ``(loss, aux)`` from its chunks': weighted means (``'mean'``; ``weights`` are the chunks'
+  sample counts or ``loss_weight_fn`` values) or sums (``'sum'``)."""
+  if reduction == 'sum':
+    scale = [1.] * len(results)
+  else:
+    total = float(np.sum(weights))
+    scale = [float(w) / total for w in weights]
+  loss = sum(s * np.asarray(r[0], np.float64) for s, r in zip(scale, results))
+  aux = {k: sum(s * np.asarray(r[1][k], np.float64) for s, r in zip(scale, results)) for k in results[0][1]}
+  dtype = np.asarray(results[0][0]).dtype
+  return np.asarray(loss, dtype), {k: np.asarray(v, np.asarray(results[0][1][k]).dtype) for k, v in aux.items()}

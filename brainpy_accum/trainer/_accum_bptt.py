@@ -1,0 +1,598 @@
+"""``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation over micro-batches inside one compiled step.
+
+The class is a thin client: the step of one batch is :mod:`~brainpy_accum.trainer._step` (built on the core's
+:func:`~brainpy_accum.core.accumulate`; on a mesh wrapped by :mod:`~brainpy_accum.trainer._sharded`), the
+two-pass mode :mod:`~brainpy_accum.core._two_pass`, the default mode's loss check
+:mod:`~brainpy_accum.trainer._coupled_loss`, the epochs :mod:`~brainpy_accum.trainer._fit_loop`, plans per
+batch size :mod:`~brainpy_accum.trainer._plans`, checkpoints :mod:`brainpy_accum.checkpoint`. This class hands
+each of them what it calls (the loop's :class:`~brainpy_accum.trainer._fit_loop.TrainerParts`, the planner's
+:class:`~brainpy_accum.trainer._plans.Compilers`, the checkpoint's window): none of them reads its private
+attributes.
+"""
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
+
+import brainpy as bp
+import brainpy.math as bm
+import jax
+import jax.numpy as jnp
+from brainpy import tools
+from jax.sharding import Mesh, PartitionSpec
+from brainpy.running import constants as c
+
+from ..checkpoint._save_load import load as load_checkpoint
+from ..checkpoint._save_load import save as save_checkpoint
+from ..core._combine import same_type
+from ..core._cut import MicroBatchPlan
+from ..core._mesh import auto_axes, check_mesh, place, random_states
+from ..core._states import whole_batch_variables
+from ..core._two_pass import Devices, two_pass_sums
+from ..diagnostics._compiles import Compilations
+from ..memory._budget import compiled_step_bytes, parse_memory
+from ._arguments import (check_accumulation_args, check_remat, check_update_args, check_whole_batch_loss,
+                         warn_batch_statistics)
+from ._coupled_loss import check_first_batch
+from ._fit_loop import TrainerParts
+from ._fit_loop import fit as run_fit
+from ._model_loss import ModelLoss
+from ._plans import Compilers, Planning
+from ._sharded import on_mesh
+from ._step import Settled, batch_sums, micro_step, same, settle
+from ._update import clip_by_global_norm, guarded_update
+from ._window import GradWindow, check_accumulate_steps
+
+__all__ = ['AccumBPTT']
+
+
+
+class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
+  """Back-propagation through time with gradient accumulation over micro-batches.
+
+  A drop-in replacement for :class:`brainpy.BPTT`: the same constructor
+  arguments and the same :meth:`fit`, plus the accumulation options below.
+  Each batch is cut into micro-batches that run one after another inside one
+  compiled train step, so only one micro-batch's activations are alive at a
+  time; their gradients are combined and the optimizer updates once::
+
+    for each micro-batch i of the batch (n_i samples):
+      model state <- its n_i samples of the batch's model state
+      g_i, loss_i = grad(loss)(micro-batch i)
+      acc += w_i * g_i                      # w_i = n_i ('mean') or 1 ('sum')
+    optimizer.update(acc / sum_i w_i)       # one update per batch ('mean')
+
+  With ``grad_reduction='mean'`` and a loss that averages over samples, the
+  update, the reported loss and the auxiliary metrics equal those of
+  :class:`brainpy.BPTT` on the whole batch (to float32 round-off), for any
+  batch size: a batch that does not divide evenly runs one shorter
+  micro-batch, weighted by its sample count.
+
+  Parameters
+  ----------
+  target : DynamicalSystem
+    The model to train, in a batching or training mode.
+  loss_fun : str, callable
+    The loss ``loss_fun(predicts, targets)``, or a name from ``brainpy.losses``.
+  optimizer : Optimizer, optional
+    The optimizer; defaults as in :class:`brainpy.BPTT`.
+  num_micro_batch : int or 'auto', optional
+    Cut each batch into at most this many micro-batches of
+    ``ceil(batch_size / num_micro_batch)`` samples. Give this or ``micro_batch_size``;
+    with neither, each batch runs whole (``1``), exactly as in :class:`brainpy.BPTT`.
+    ``'auto'`` picks, for each batch size, the fewest micro-batches whose
+    compiled train step fits ``memory_budget`` (see :meth:`plan_memory`);
+    with ``remat='auto'`` as well, the fastest (micro-batches, remat) plan
+    that fits instead.
+  micro_batch_size : int, optional
+    Cut each batch into micro-batches of this many samples (the last one may
+    be shorter). Give this or ``num_micro_batch``.
+  grad_reduction : {'mean', 'sum'}
+    ``'mean'`` (default) weights each micro-batch by its sample count and
+    divides by the batch size: the right choice for losses that average over
+    samples. ``'sum'`` adds the micro-batch gradients, losses and metrics: the
+    right choice for losses that sum over samples.
+  target_batch_axis : int, optional
+    The batch axis of every target leaf. By default it follows
+    ``data_first_axis`` (axis 0 for ``'B'``, axis 1 for ``'T'``) and falls back
+    to axis 0 for leaves whose preferred axis does not hold the batch.
+  memory_budget : int or str, optional
+    With ``num_micro_batch='auto'``: bytes, or a string like ``'512MiB'`` or ``'2GiB'``.
+    A batch whose data does not fit beside its step even at one sample per
+    micro-batch is streamed from the host in chunks that fit, still with one
+    optimizer update per batch (no mesh, default loss mode; :attr:`stream_chunks`).
+  accumulate_steps : int or dict
+    Also accumulate across batches: one optimizer update every ``k`` batches
+    of the data iterator (and at the last batch of each epoch), weighted by
+    what each batch held, so ``k`` batches of ``b`` samples give the update of
+    one batch of ``k * b``. A dict ``{first_epoch: k}`` changes ``k`` by epoch
+    (``{0: 1, 5: 4}``). The running sums live in Variables on the device.
+  loss_weight_fn : callable, optional
+    ``loss_weight_fn(inputs, targets) -> weight`` of a (micro-)batch, for
+    losses normalised by something other than the sample count, e.g. the
+    number of valid time steps of a masked loss. Each micro-batch's gradient
+    is weighted by it and the total divided by the batch's total weight: the
+    gradient of the whole batch's normalised loss. ``'mean'`` only.
+  clip_grad_norm : float, optional
+    Clip the combined gradient (after all micro-batches and batches of an
+    update) to this global L2 norm, once per optimizer update.
+  skip_nonfinite : bool
+    Skip an update whose gradient holds a NaN or an infinity: parameters,
+    optimizer state and the learning-rate step stay exactly as before, the
+    skip is counted in :attr:`skipped_steps` and shown in the report line.
+    With ``accumulate_steps`` a non-finite batch is left out of its window
+    (and counted); the rest of the window still makes its update.
+  remat : bool or int
+    Rematerialise over time: ``True`` checkpoints the time loop every
+    ``round(sqrt(T))`` steps, an int every that many steps, so that the
+    backward pass keeps one model state per segment instead of every step's
+    activations (about one extra forward pass of compute; same gradients).
+    ``False`` (default) stores every step, as :class:`brainpy.BPTT` does.
+    ``'auto'`` (with ``num_micro_batch='auto'`` and ``memory_budget``) lets
+    the planner choose per batch size between remat and more micro-batches:
+    it compiles the candidates, times a few trial steps of each that fits
+    (changing nothing), prints them, and keeps the fastest.
+  mesh : jax.sharding.Mesh, optional
+    Data parallelism: every batch is split along its batch axis over the
+    devices of ``mesh_axis`` (contiguous shares of ``batch_size / D``
+    samples), each device runs its own micro-batch loop on its share, and
+    the devices' gradient sums are added once per train step, not once per
+    micro-batch. Parameters and optimizer state are replicated. The
+    micro-batch options then describe each device's share: with
+    ``num_micro_batch=N`` each device runs ``N`` micro-batches of
+    ``batch_size / (D N)`` samples, and ``memory_budget`` is per device.
+    Batch sizes must be multiples of ``D``. For several hosts, call
+    :func:`jax.distributed.initialize` first and build the mesh from
+    :func:`jax.devices` (all hosts' devices); every process runs the same
+    :meth:`fit` on the same batches. Without a mesh nothing changes.
+  mesh_axis : str, optional
+    The mesh axis that splits the batch; needed only when the mesh has more
+    than one axis (the others then hold replicas).
+  whole_batch_loss : bool
+    ``False`` (default): each micro-batch's loss is its own, and the combined
+    gradient is exact for losses that are a (weighted) mean or sum of
+    per-sample terms. At the first batch :meth:`fit` checks once, with one
+    forward pass, whether the loss is such a mean and warns, with the
+    measured difference, if it is not. ``True``: exact for ANY loss of the
+    whole batch's predictions and monitors (batch-wide firing-rate
+    regularisers, batch statistics, maxima, contrastive terms), by two
+    passes inside the one compiled step: every micro-batch runs forward
+    keeping only its predictions, ``loss_fun`` runs once on the whole
+    batch's predictions and gives their gradient, then every micro-batch
+    runs forward and backward again from the same initial state and random
+    numbers, pulling back its slice of that gradient. Memory: the whole
+    batch's predictions plus one micro-batch's activations; compute: about
+    one extra forward pass. It combines with ``remat``, ``clip_grad_norm``,
+    ``skip_nonfinite``, the memory planner and ``mesh`` (outputs gathered
+    over the devices, one gradient all-reduce), but not with
+    ``accumulate_steps > 1`` (the loss of several batches together is not
+    known from their separate losses), ``grad_reduction='sum'`` or
+    ``loss_weight_fn`` (the loss itself normalises).
+  **kwargs
+    Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
+    ``jit``, ``data_first_axis``, ``progress_bar``, ...).
+
+  Attributes
+  ----------
+  trace_counts : dict
+    How many times the train step (``'fit'``) and the evaluation step
+    (``'loss'``) were traced: one per distinct batch shape when jitted.
+    :attr:`compilations` counts the XLA executables behind them.
+  stream_chunks : dict
+    ``{batch_size: chunk_size}`` of the batch sizes streamed from the host
+    (see ``memory_budget``); empty when every batch fits with its data.
+
+  Examples
+  --------
+  >>> import brainpy as bp, brainpy.math as bm, numpy as np
+  >>> from brainpy_accum import AccumBPTT
+  >>> bm.random.seed(0)
+  >>> with bm.training_environment():
+  ...   model = bp.Sequential(bp.dyn.RNNCell(3, 8), bp.dnn.Dense(8, 2))
+  >>> trainer = AccumBPTT(model, bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=1e-2),
+  ...                     num_micro_batch=4, progress_bar=False)
+  >>> x, y = np.ones((10, 5, 3), 'float32'), np.zeros((10, 5, 2), 'float32')
+  >>> trainer.fit([(x, y)], num_epoch=2)  # doctest: +ELLIPSIS
+  Train 0 epoch, use ... s, loss ... (batch 10 = 3 x 3 + 1)
+  Train 1 epoch, use ... s, loss ... (batch 10 = 3 x 3 + 1)
+  >>> trainer.train_losses.shape
+  (2,)
+  """
+
+  def __init__(
+      self,
+      target: bp.DynamicalSystem,
+      loss_fun: Union[str, Callable],
+      optimizer: Optional[bp.optim.Optimizer] = None,
+      *,
+      num_micro_batch: Union[int, str, None] = None,
+      micro_batch_size: Optional[int] = None,
+      grad_reduction: str = 'mean',
+      target_batch_axis: Optional[int] = None,
+      memory_budget: Union[int, str, None] = None,
+      remat: Union[bool, int, str] = False,
+      accumulate_steps: Union[int, Dict[int, int]] = 1,
+      loss_weight_fn: Optional[Callable] = None,
+      clip_grad_norm: Optional[float] = None,
+      skip_nonfinite: bool = False,
+      mesh: Optional[Mesh] = None,
+      mesh_axis: Optional[str] = None,
+      whole_batch_loss: bool = False,
+      **kwargs,
+  ):
+    self.mesh_axis = check_mesh(mesh, mesh_axis)
+    if remat == 'auto' and mesh is not None:
+      raise ValueError("remat='auto' is not supported with a mesh (its trial steps run unsharded): choose remat=True "
+                       "or False with mesh=..., or drop the mesh.")
+    check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps)
+    if num_micro_batch is None and micro_batch_size is None:
+      num_micro_batch = 1  # no option: bp.BPTT's whole-batch step
+    check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
+    check_remat(remat, num_micro_batch, memory_budget)
+    check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite)
+    self.accumulate_steps = check_accumulate_steps(accumulate_steps)
+    super().__init__(target, loss_fun, optimizer=optimizer, **kwargs)
+    self.num_micro_batch, self.micro_batch_size, self.grad_reduction = num_micro_batch, micro_batch_size, grad_reduction
+    self.target_batch_axis, self.remat, self.loss_weight_fn = target_batch_axis, remat, loss_weight_fn
+    self.memory_budget = None if memory_budget is None else parse_memory(memory_budget)
+    self.memory_plans: Dict[int, Tuple[MicroBatchPlan, int]] = {}
+    self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+    self.skip_nonfinite, self.whole_batch_loss, self._loss_checked = skip_nonfinite, whole_batch_loss, whole_batch_loss
+    self.mesh = None if mesh is None else auto_axes(mesh)
+    self._init_steps()
+    warn_batch_statistics(self.target)
+
+  def _init_steps(self) -> None:
+    """The counters, the ``accumulate_steps`` window and the jitted steps besides bp.BPTT's train step."""
+    self.skipped_steps = bm.Variable(jnp.zeros((), jnp.int32))
+    copies = None if self.mesh is None else self.num_devices
+    self._window = GradWindow(self.target.train_vars().unique(), copies) if self._needs_window else None
+    self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
+    self.trace_counts = {'fit': 0, 'loss': 0}
+    self._jit_steps()
+
+  def _jit_steps(self) -> None:
+    """Fresh jitted steps (bp.BPTT's train step too): they trace again, with the current plans."""
+    self._jit_step_func_fit = bm.jit(self._step_func_fit, static_argnums=(0,))
+    self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
+    self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
+    self._jit_step_func_close = bm.jit(self._step_func_close, static_argnums=(0,))
+
+  @property
+  def _needs_window(self) -> bool:
+    """Running sums between steps: for ``accumulate_steps``, or for streaming batches larger than the device."""
+    return self.accumulate_steps != 1 or self._may_stream
+
+  @property
+  def _may_stream(self) -> bool:
+    return self.num_micro_batch == 'auto' and self.memory_budget is not None and self.mesh is None \
+        and not self.whole_batch_loss
+
+  def __repr__(self):
+    return (f'{self.__class__.__name__}(target={self.target}, num_micro_batch={self.num_micro_batch}, '
+            f'micro_batch_size={self.micro_batch_size}, grad_reduction={self.grad_reduction!r}, '
+            f'optimizer={self.optimizer})')
+
+  def fit(
+      self,
+      train_data: Union[Callable, Iterable],
+      test_data: Optional[Union[Callable, Iterable]] = None,
+      num_epoch: int = 100,
+      num_report: int = -1,
+      reset_state: bool = True,
+      shared_args: Optional[Dict] = None,
+      fun_after_report: Optional[Callable] = None,
+      batch_size: None = None,
+      checkpoint: Optional[Union[str, os.PathLike]] = None,
+      checkpoint_every: Optional[int] = None,
+  ) -> None:
+    """Train on ``train_data`` for ``num_epoch`` epochs, one optimizer update per batch.
+
+    The arguments and the recorded metrics are those of
+    :meth:`brainpy.BPTT.fit`; every batch is micro-batched, and so is the
+    evaluation on ``test_data``.
+
+    Parameters
+    ----------
+    train_data : iterable or callable
+      Batches ``(inputs, targets)``, or a function returning such an iterable
+      (called once per epoch).
+    test_data : iterable or callable, optional
+      Evaluation batches, run after each training epoch.
+    num_epoch : int
+      Number of passes over ``train_data``.
+    num_report : int
+      ``-1`` reports once per epoch; ``k > 0`` every ``k`` batches.
+    reset_state : bool
+      Reset the model state at the batch size before each batch. With
+      ``False`` each sample keeps its model state from the previous batch
+      (truncated BPTT over consecutive chunks).
+    shared_args : dict, optional
+      Shared arguments for the model; ``fit`` is set to ``True`` unless given.
+    fun_after_report : callable, optional
+      Called as ``fun_after_report(idx, metrics, phase)`` after each report.
+    batch_size : None
+      Removed from :class:`brainpy.BPTT`: give batches in the data. Anything
+      but ``None`` raises, as in BrainPy (an instance of its ``NoLongerSupportError``).
+    checkpoint : str or os.PathLike, optional
+      A file for checkpoints of the run (:meth:`save_checkpoint`'s content plus where the run stands
+      and its metric history), written atomically at each epoch's end and every ``checkpoint_every``
+      updates. If the file exists when ``fit`` starts, the run resumes from it: the same call run
+      again after a crash, a killed job or Ctrl-C skips the epochs and batches already trained and
+      ends as an uninterrupted run would (same parameters, optimizer and learning-rate step, random
+      state, ``accumulate_steps`` window, losses and history). The data must give the same batches
+      in the same order when run again (a list, or a function that shuffles with a seed per epoch).
+      A larger ``num_epoch`` continues a finished run.
+    checkpoint_every : int, optional
+      Also write the checkpoint every this many optimizer updates (needs ``checkpoint``).
+
+    Notes
+    -----
+    Ctrl-C (SIGINT) and SIGTERM during ``fit`` are held until the running batch is done: ``fit``
+    then stops with the trainer at its last completed batch and a consistent history, writes the
+    checkpoint if one is configured, and lets the signal act through the handler that was there before
+    (Python's raises KeyboardInterrupt; SIGTERM's default ends the process; one that returns ends ``fit``).
+    An ignored signal stays ignored. A second Ctrl-C stops at once, without a checkpoint.
+    """
+    parts = TrainerParts(check_batch=self._check_batch, place_on_mesh=self.place_on_mesh,
+                         check_loss_once=self._check_loss_once,
+                         replan_finer=functools.partial(self._replan_finer, rebuild=self._jit_steps),
+                         note_compilations=self._note_compilations, step=self._step_of,
+                         without_time_step_bars=self._without_time_step_bars, window=self._window)
+    run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
+            batch_size, checkpoint, checkpoint_every)
+
+  def _check_loss_once(self, shared_args, inputs, targets) -> None:
+    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once)."""
+    if self._loss_checked:
+      return
+    self._loss_checked = True
+    variables = list(self.vars().unique().values()) + random_states(self.target)
+    with self._without_time_step_bars():
+      check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
+                        plan_for=self.plan_for, forward=self._forward, loss_of=self._loss_of, weigh=self._weigh,
+                        variables=variables, jit=self.jit[c.FIT_PHASE], reduction=self.grad_reduction)
+
+  # ------------------------------------------------------------------ placement, plans, checkpoints
+
+  def place_on_mesh(self, batch_size: Optional[int] = None) -> None:
+    """Put the trainer's Variables on the mesh: model states split along their batch axis, the
+    ``accumulate_steps`` window one row per device, everything else (parameters, optimizer state,
+    counters, random keys) replicated. :meth:`fit` calls it before every step; without a mesh it does nothing.
+    """
+    if self.mesh is None:
+      return
+    split = self._split_variables(self._window, batch_size)
+    specs = {id(var): spec for var, spec in split}
+    variables = list(self.vars().unique().values()) + [var for var, _ in split] + random_states(self.target)
+    place([(var, specs.get(id(var), PartitionSpec())) for var in variables], self.mesh)
+
+  def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None, *,
+                  step_time: Optional[Callable[[Sequence[MicroBatchPlan]], Sequence[float]]] = None
+                  ) -> MicroBatchPlan:
+    """Choose and cache the fewest micro-batches whose compiled train step fits ``memory_budget``.
+
+    Each candidate micro-batch size is compiled ahead of time and measured
+    with XLA's memory analysis; no step runs and nothing changes but the
+    cached choice, which is printed and kept in :attr:`memory_plans` as
+    ``{batch_size: (plan, bytes)}``.
+
+    With ``remat='auto'`` the choice is the fastest plan that fits instead:
+    for remat off and remat every ``sqrt(T)`` steps, the largest micro-batch
+    that fits and two finer cuts are compiled, and the fitting ones are timed
+    with trial steps on this batch (the compiled step run on the current
+    Variable values, its results discarded: no Variable or random key
+    changes). The candidates and the reason are printed; the plan's
+    :attr:`~MicroBatchPlan.remat` is used when the step is traced.
+    ``step_time(plans) -> seconds`` replaces the trial steps (e.g. a cost model).
+
+    Raises
+    ------
+    ValueError
+      If one sample per micro-batch does not fit either (the message gives
+      the smallest budget that would).
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 16), bp.dnn.Dense(16, 2))
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch='auto', memory_budget='64KiB')
+    >>> x, y = np.ones((32, 20, 3), 'float32'), np.zeros((32, 20, 2), 'float32')
+    >>> plan = trainer.plan_memory(x, y)  # doctest: +ELLIPSIS
+    memory plan: batch 32 = ... micro-batches), train step ... of memory_budget 64.0 KiB
+    >>> trainer.memory_plans[32][1] <= 64 * 1024
+    True
+    """
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    return self._plan_memory(inputs, targets, shared_args, step_time,
+                             Compilers(self.compiled_step_bytes, self._trial), self._may_stream)
+
+  def _trial(self, plan: MicroBatchPlan, shared_args, inputs, targets):
+    return self.compile_trial(inputs, targets, shared_args, plan=plan)
+
+  def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
+    """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
+
+    The model state enters at its current size, as :meth:`fit` leaves it before a step
+    (reset at the batch size); nothing is executed and nothing changes. With a
+    mesh the figure is per device.
+    """
+    return compiled_step_bytes(self.compile_step(inputs, targets, shared_args, plan=plan, via_window=via_window))
+
+  def compile_step(self, inputs, targets, shared_args: Optional[Dict] = None,
+                   plan: Optional[MicroBatchPlan] = None, update: bool = True, via_window: bool = False):
+    """The train step for this batch shape, compiled ahead of time by XLA; nothing runs, nothing changes.
+
+    Returns JAX's compiled object: ``memory_analysis()`` gives its memory
+    (per device with a mesh), ``as_text()`` its optimised HLO, e.g. to count
+    the cross-device reductions (``all-reduce``) of a sharded step. The model
+    state enters at its current size: call ``model.reset(batch_size)`` first,
+    as :meth:`fit` does. ``plan`` overrides the trainer's micro-batch plan;
+    ``update=False`` compiles the step that only adds a batch to the
+    ``accumulate_steps`` window; ``via_window=True`` the step that passes its
+    gradient through the window (that of a streamed batch's last chunk).
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.Sequential(bp.dyn.RNNCell(3, 8), bp.dnn.Dense(8, 2))
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=4)
+    >>> x, y = np.ones((16, 5, 3), 'float32'), np.zeros((16, 5, 2), 'float32')
+    >>> model.reset(16)
+    >>> compiled = trainer.compile_step(x, y)
+    >>> compiled.memory_analysis().temp_size_in_bytes > 0
+    True
+    """
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update, via_window=via_window),
+                  static_argnums=(0,))
+    with self._without_time_step_bars(), self._tracing(plan):
+      return step.compile(shared_args, inputs, targets)
+
+  def compile_trial(self, inputs, targets, shared_args: Optional[Dict] = None, *, plan: MicroBatchPlan):
+    """``(compiled, run)``: the train step compiled for ``plan``, and ``run()``, a trial of it that changes nothing.
+
+    ``run()`` calls the executable on the current Variable values and drops its new values, so that nothing
+    (parameters, optimizer, random keys) changes: the trial steps that ``remat='auto'`` times, for timing plans
+    outside :meth:`plan_memory` (as ``python -m brainpy_accum.bench.planner`` does).
+    """
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    step = bm.jit(functools.partial(self._train_step, plan=plan), static_argnums=(0,))
+    with self._without_time_step_bars(), self._tracing(plan):
+      values = step.stateful_fun.get_state_trace(shared_args, inputs, targets, compile_if_miss=True).get_state_values()
+      compiled = step.jitted_fun.lower(values, shared_args, inputs, targets).compile()
+    return compiled, lambda: jax.block_until_ready(compiled(values, inputs, targets))
+
+  @contextlib.contextmanager
+  def _without_time_step_bars(self):
+    """Trace steps without bp.BPTT's per-time-step progress bars (host callbacks inside the compiled step)."""
+    shown, self.progress_bar = self.progress_bar, False
+    try:
+      yield
+    finally:
+      self.progress_bar = shown
+
+  def save_checkpoint(self, path: str) -> str:
+    """Save parameters, model state, optimizer state (learning-rate step included), accumulation counters and
+    BrainPy's global random state to ``path``, atomically (temporary file, then rename).
+
+    :meth:`save_state` / :meth:`load_state` and ``state_dict`` keep their BrainPy meanings.
+
+    Examples
+    --------
+    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> path = trainer.save_checkpoint(os.path.join(tempfile.mkdtemp(), 'run.ckpt'))
+    >>> trainer.load_checkpoint(path)
+    """
+    return save_checkpoint(self, path, self._window)
+
+  def load_checkpoint(self, path: str) -> None:
+    """Restore what :meth:`save_checkpoint` wrote; a corrupt or mismatched file raises and changes nothing.
+
+    Examples
+    --------
+    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> trainer.load_checkpoint(os.path.join(tempfile.mkdtemp(), 'missing.ckpt'))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    FileNotFoundError: No checkpoint at path=...
+    """
+    load_checkpoint(self, path, self._window)
+
+  # ------------------------------------------------------------------ compiled steps
+
+  def _step_of(self, kind: str):
+    """The compiled step that the fit loop runs: ``'loss'``, ``'fit'``, ``'collect'`` or ``'close'``."""
+    return {'loss': self.f_loss, 'fit': self.f_train, 'collect': self._f_collect, 'close': self._f_close}[kind]
+
+  @property
+  def f_loss(self):
+    """The micro-batched evaluation step (jitted unless ``jit`` says otherwise)."""
+    return self._jit_step_func_eval if self.jit[c.LOSS_PHASE] else self._step_func_eval
+
+  @property
+  def _f_collect(self):
+    """The train step that adds a batch to the ``accumulate_steps`` window without updating."""
+    return self._jit_step_func_collect if self.jit[c.FIT_PHASE] else self._step_func_collect
+
+  def _step_func_fit(self, shared_args, inputs, targets):
+    self.trace_counts['fit'] += 1
+    return self._train_step(shared_args, inputs, targets)
+
+  @property
+  def _f_close(self):
+    """The train step that adds a batch's last streamed chunk to the window and updates from the window."""
+    return self._jit_step_func_close if self.jit[c.FIT_PHASE] else self._step_func_close
+
+  def _step_func_collect(self, shared_args, inputs, targets):
+    self.trace_counts['fit'] += 1
+    return self._train_step(shared_args, inputs, targets, update=False, via_window=True)
+
+  def _step_func_close(self, shared_args, inputs, targets):
+    self.trace_counts['fit'] += 1
+    return self._train_step(shared_args, inputs, targets, via_window=True)
+
+  def _step_func_eval(self, shared_args, inputs, targets):
+    self.trace_counts['loss'] += 1
+    done = self._run_batch(shared_args, inputs, targets, with_grads=False)
+    return (done.loss, done.aux) if self.loss_has_aux else done.loss
+
+  def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True,
+                  via_window: bool = False):
+    via_window = via_window or self.accumulate_steps != 1
+    done = self._run_batch(shared_args, inputs, targets, with_grads=True, update=update, plan=plan,
+                           via_window=via_window)
+    if done.finite is not None:
+      self.skipped_steps.value += jnp.where(done.finite, 0, 1).astype(self.skipped_steps.dtype)
+    if done.grads is not None:
+      params = self.target.train_vars().unique()
+      grads = {k: same_type(g, params[k].value) for k, g in done.grads.items()}
+      if self.clip_grad_norm is not None:
+        grads = clip_by_global_norm(grads, self.clip_grad_norm)
+      guarded_update(self.optimizer, dict(params), grads, done.apply)
+    return (done.loss, done.aux) if self.loss_has_aux else (done.loss,)
+
+  def _run_batch(self, shared_args, inputs, targets, with_grads: bool, update: bool = True,
+                 plan: Optional[MicroBatchPlan] = None, via_window: bool = False) -> Settled:
+    """One batch through :mod:`~brainpy_accum.trainer._step`: this device's sums, then settled (on a mesh: in
+    ``shard_map``)."""
+    layout = self._check_batch(inputs, targets)
+    plan = plan or self.plan_for(layout.batch_size)
+    window = self._window if with_grads and via_window else None
+    alone = self.mesh is None and window is None
+    params = self.target.train_vars().unique() if with_grads else None
+    micro_fn = micro_step(self._loss_and_aux, shared_args, params, self._weigh)
+    two_passes = self._two_passes(shared_args, targets, params) if self.whole_batch_loss else None
+    axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
+    with whole_batch_variables(self.target, layout.batch_size, whole=not (alone and plan.num_micro_batches == 1)) as states, \
+         self._tracing(plan):  # remat='auto': this plan's remat in the traced time loop
+      sums_of = functools.partial(batch_sums, micro_fn, axes=axes, plan=plan, states=states, params=params,
+                                  alone=alone, two_passes=two_passes)
+      finish = functools.partial(settle, reduction=self.grad_reduction, skip_nonfinite=self.skip_nonfinite and
+                                 with_grads, window=window, update=update)
+      if self.mesh is None:
+        return finish(sums_of((inputs, targets)), same)
+      specs = dict(self._split_variables(window, layout.batch_size))
+      return on_mesh(sums_of, finish, self.mesh, self.mesh_axis, (inputs, targets), axes, specs,
+                     random_states(self.target))
+
+  def _two_passes(self, shared_args, targets, params):
+    """``whole_batch_loss=True``: the core's two passes (:mod:`~brainpy_accum.core._two_pass`) as
+    ``two_passes(args, axes, plan, states)``."""
+    replayed = [v for v in self.target.vars().unique().values() if not isinstance(v, bm.TrainVar)]
+    replayed += [v for v in random_states(self.target) if all(v is not r for r in replayed)]
+    devices = None if self.mesh is None else Devices(self.mesh_axis, self.num_devices)
+    return functools.partial(two_pass_sums, self._forward(shared_args), lambda p: self._loss_of(p, targets),
+                             params, replayed, devices=devices)

@@ -1,0 +1,119 @@
+"""Eager checks of user arguments: each error names the argument, shows the value and says what to do."""
+
+import math
+import warnings
+
+
+from ..core._combine import check_grad_reduction, check_loss_weight_fn
+from ..core._cut import check_cut, check_positive_int
+from ..memory._budget import parse_memory
+from ._errors import BareBatchError, RemovedArgumentError, ReportCallbackError
+
+__all__ = ['check_accumulation_args', 'check_remat', 'check_update_args', 'check_whole_batch_loss', 'check_fit_args',
+           'check_data', 'warn_batch_statistics']
+
+
+def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis,
+                            memory_budget) -> None:
+  """Validate the accumulation options of :class:`AccumBPTT`."""
+  if num_micro_batch is not None and micro_batch_size is not None:
+    check_cut(num_micro_batch, micro_batch_size)  # raises: exactly one of them
+  if num_micro_batch == 'auto':
+    if memory_budget is None:
+      raise ValueError("num_micro_batch='auto' needs memory_budget, e.g. memory_budget='2GiB'.")
+    parse_memory(memory_budget)
+  elif memory_budget is not None:
+    raise ValueError(f"{memory_budget=} is only used with num_micro_batch='auto'; got {num_micro_batch=} "
+                     f"and {micro_batch_size=}.")
+  else:
+    check_cut(num_micro_batch, micro_batch_size)
+  check_grad_reduction(grad_reduction)
+  if target_batch_axis is not None:
+    if isinstance(target_batch_axis, bool) or not isinstance(target_batch_axis, int) or target_batch_axis < 0:
+      raise ValueError(f'{target_batch_axis=} must be None (follow data_first_axis) or a non-negative int.')
+
+
+def check_remat(remat, num_micro_batch=None, memory_budget=None) -> None:
+  """``remat`` is a bool, a positive int (steps per checkpointed segment), or ``'auto'`` with the memory planner."""
+  if isinstance(remat, bool):
+    return
+  if isinstance(remat, str) and remat == 'auto':
+    if num_micro_batch != 'auto' or memory_budget is None:
+      raise ValueError(f"remat='auto' lets the memory planner choose remat together with the micro-batches, so it "
+                       f"needs num_micro_batch='auto' and a memory_budget; got {num_micro_batch=} and "
+                       f"{memory_budget=}. Add num_micro_batch='auto', memory_budget='2GiB', or choose "
+                       f"remat=True or False yourself.")
+    return
+  check_positive_int('remat', remat, "Use remat=True (segments of sqrt(T) steps), an int segment length, False, or "
+                                     "'auto' (with num_micro_batch='auto' and a memory_budget).")
+
+
+def check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite) -> None:
+  """Validate ``loss_weight_fn``, ``clip_grad_norm`` and ``skip_nonfinite``."""
+  check_loss_weight_fn(loss_weight_fn, grad_reduction, 'loss_weight_fn(inputs, targets)')
+  if clip_grad_norm is not None:
+    if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)):
+      raise TypeError(f'{clip_grad_norm=} must be a positive number (the maximal global L2 norm) or None.')
+    if not math.isfinite(clip_grad_norm) or clip_grad_norm <= 0:
+      raise ValueError(f'{clip_grad_norm=} must be a positive, finite number, e.g. clip_grad_norm=1.0.')
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f'{skip_nonfinite=} must be True or False.')
+
+
+def check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps) -> None:
+  """Refuse ``whole_batch_loss`` where it is not a bool or cannot be exact, before anything is built."""
+  if not isinstance(whole_batch_loss, bool):
+    raise TypeError(f'whole_batch_loss={whole_batch_loss!r} must be True or False.')
+  if not whole_batch_loss:
+    return
+  if accumulate_steps != 1:
+    raise ValueError(f'whole_batch_loss=True with accumulate_steps={accumulate_steps!r} cannot be exact: the loss '
+                     f'of several batches together is not known from their separate losses when it couples '
+                     f'samples. Use one larger batch and more micro-batches (num_micro_batch), or '
+                     f'accumulate_steps=1.')
+  if grad_reduction != 'mean' or loss_weight_fn is not None:
+    raise ValueError(f'whole_batch_loss=True evaluates loss_fun once on the whole batch, so it needs no '
+                     f'weighting: drop grad_reduction={grad_reduction!r} and loss_weight_fn={loss_weight_fn!r} '
+                     f'(keep the defaults).')
+
+
+def warn_batch_statistics(model) -> None:
+  """Warn once per model class when layers keep batch statistics, which see micro-batches, not the batch."""
+  kinds = sorted({type(node).__name__ for node in model.nodes().unique().values() if 'BatchNorm' in type(node).__name__})
+  if kinds:
+    warnings.warn(f'{type(model).__name__} has batch-statistics layers ({", ".join(kinds)}): under micro-batching '
+                  f'they normalise each micro-batch with its own statistics and update their running averages once '
+                  f'per micro-batch, so training is not equivalent to whole-batch bp.BPTT. Use num_micro_batch=1 '
+                  f'with accumulate_steps, or layers without batch statistics (e.g. LayerNorm), for exact results.',
+                  UserWarning, stacklevel=3)
+
+
+def check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size=None, shared_args=None) -> None:
+  """Validate the loop arguments of :meth:`AccumBPTT.fit`."""
+  if batch_size is not None:
+    raise RemovedArgumentError(f'fit({batch_size=}) is no longer supported (neither by bp.BPTT): give the data as '
+                               f'an iterable of (inputs, targets) batches of the size you want, e.g. '
+                               f'[(X[i:i + {batch_size}], Y[i:i + {batch_size}]) for i in range(0, len(X), {batch_size})].')
+  if isinstance(num_epoch, bool) or not isinstance(num_epoch, int) or num_epoch < 0:
+    raise ValueError(f'{num_epoch=} must be a non-negative int.')
+  if isinstance(num_report, bool) or not isinstance(num_report, int):
+    raise TypeError(f'{num_report=} must be an int: -1 reports once per epoch, k > 0 every k steps.')
+  if not isinstance(reset_state, bool):
+    raise TypeError(f'{reset_state=} must be True or False.')
+  if shared_args is not None and not isinstance(shared_args, dict):
+    raise TypeError(f'shared_args={shared_args!r} must be a dict of arguments shared by the model, or None.')
+  if fun_after_report is not None and not callable(fun_after_report):
+    raise ReportCallbackError(f'{fun_after_report=} must be callable as fun_after_report(idx, metrics, phase).')
+
+
+def check_data(name: str, data) -> None:
+  """Reject a bare ``(X, Y)`` pair, which :meth:`fit` would otherwise iterate sample by sample."""
+  if callable(data):
+    return
+  if not hasattr(data, '__iter__'):
+    raise TypeError(f'{name} must be an iterable of (inputs, targets) batches or a callable returning one; '
+                    f'got {type(data).__name__}.')
+  if isinstance(data, (tuple, list)) and len(data) == 2 and all(hasattr(d, 'shape') or isinstance(d, dict)
+                                                               for d in data):
+    raise BareBatchError(f'{name} looks like one bare (X, Y) pair. Give an iterable of batches instead, '
+                    f'e.g. {name}=[(X, Y)] for a single batch.')

@@ -1,0 +1,287 @@
+"""The epochs of :meth:`AccumBPTT.fit`: checks, resets, the right compiled step per batch, reports, checkpoints.
+
+Kept apart from the trainer so the loop reads in one sitting. It records what
+:class:`brainpy.BPTT` records (per-batch losses and metrics, report-window
+means) and adds to each report line how the batch was cut, how many batches
+make one update and, with ``skip_nonfinite``, how many were skipped. With a
+``checkpoint`` path it saves where the run stands (:mod:`brainpy_accum.checkpoint`) and, run
+again, resumes from there.
+"""
+
+import itertools
+import os
+from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Sized, Tuple, cast
+
+import brainpy.math as bm
+import brainstate.environ
+import jax
+from brainpy import tools
+from tqdm import tqdm
+
+from ..checkpoint._resume import Interrupted, Progress, StopRequest, act_on, check_checkpoint_args, deferred_signals
+from ..checkpoint._save_load import load, save
+from ..core._states import all_samples, batched_variables, declared_batch_axes
+from ..diagnostics._compiles import count_compilations
+from ..memory._oom import run_with_retry
+from ..memory._stream import chunk_sizes, combine, host_chunk
+from ._arguments import check_data, check_fit_args
+from ._report import PhaseLog
+from ._window import steps_for_epoch, with_last_flag
+
+__all__ = ['LoopOptions', 'Run', 'TrainerParts', 'fit', 'run_epoch']
+
+
+class TrainerParts(NamedTuple):
+  """What the loop calls on the trainer beyond its public attributes, handed over by the trainer itself."""
+  check_batch: Callable[[Any, Any], Any]         # (inputs, targets) -> BatchLayout; raises before anything changes
+  place_on_mesh: Callable[[int], None]           # (batch_size): the Variables on the mesh (nothing without one)
+  check_loss_once: Callable[[Any, Any, Any], None]  # (shared_args, inputs, targets): the first batch's loss check
+  replan_finer: Callable[[int], str]             # (batch_size) -> what changed, after running out of memory
+  note_compilations: Callable[[str, int], None]  # (phase, count): XLA compilations of a step
+  step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
+  without_time_step_bars: Callable[[], ContextManager]  # tracing without per-time-step progress bars
+  window: Any                                    # the accumulate_steps window (GradWindow) or None, for checkpoints
+
+
+class LoopOptions(NamedTuple):
+  """The :meth:`fit` arguments every epoch needs."""
+  num_report: int
+  reset_state: bool
+  shared_args: Any
+  fun_after_report: Optional[Callable]
+  show_bars: bool
+
+
+class Run:
+  """One :meth:`fit` call's progress, its metric logs and its checkpoints."""
+
+  def __init__(self, trainer, window, checkpoint: Optional[str], checkpoint_every: Optional[int]):
+    self.trainer, self.window, self.checkpoint, self.every = trainer, window, checkpoint, checkpoint_every
+    self.logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
+    self.progress = Progress()
+    self._test_log_at_start: Optional[dict] = None  # the test log before the running test pass
+
+  def resume(self) -> None:
+    """Continue from the checkpoint if one exists (a checkpoint saved by hand: its state, from epoch 0)."""
+    if self.checkpoint is None or not os.path.exists(self.checkpoint):
+      return
+    saved = load(self.trainer, self.checkpoint, self.window)
+    if saved is not None:
+      self.progress, history = saved
+      for phase, log in self.logs.items():
+        if phase in history:
+          log.restore(history[phase])
+    tqdm.write(f'resuming from checkpoint={self.checkpoint!r} at epoch {self.progress.epoch}, '
+               f'{self.progress.trained} batches of it trained')
+
+  def batch_trained(self, update: bool) -> None:
+    self.progress = self.progress._replace(trained=self.progress.trained + 1,
+                                           updates=self.progress.updates + int(update))
+
+  def after_report(self, update: bool) -> None:
+    """Every ``checkpoint_every`` updates, a checkpoint."""
+    if update and self.every is not None and self.progress.updates % self.every == 0:
+      self.save()
+
+  def test_starts(self) -> None:
+    self._test_log_at_start = self.logs['test'].state()
+
+  def epoch_done(self) -> None:
+    self.progress, self._test_log_at_start = self.progress.next_epoch(), None
+    self.save()
+
+  def save(self) -> None:
+    """A checkpoint of the trainer and of where the run stands (a test pass under way is run again)."""
+    if self.checkpoint is None:
+      return
+    history = {phase: log.state() for phase, log in self.logs.items()}
+    if self._test_log_at_start is not None:
+      history['test'] = self._test_log_at_start
+    save(self.trainer, self.checkpoint, self.window, (self.progress, history))
+
+
+def fit(trainer, parts: TrainerParts, train_data, test_data, num_epoch: int, num_report: int, reset_state: bool,
+        shared_args, fun_after_report: Optional[Callable], batch_size, checkpoint=None, checkpoint_every=None) -> None:
+  """:meth:`AccumBPTT.fit`: check the arguments, run (or resume) the epochs, keep the metrics as ``bp.BPTT``.
+
+  ``trainer`` is read through its public attributes (and bp.BPTT's history, which the loop fills);
+  everything else the loop calls comes in ``parts``.
+  """
+  check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size, shared_args)
+  checkpoint_every = check_checkpoint_args(checkpoint, checkpoint_every)
+  check_data('train_data', train_data)
+  if test_data is not None:
+    check_data('test_data', test_data)
+  shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+  options = LoopOptions(num_report, reset_state, shared_args, fun_after_report, show_bars=trainer.progress_bar)
+  run = Run(trainer, parts.window, None if checkpoint is None else os.fspath(checkpoint), checkpoint_every)
+  run.resume()
+  logs = run.logs
+  try:
+    with parts.without_time_step_bars(), brainstate.environ.context(fit=True), deferred_signals() as stop:
+      for epoch in range(run.progress.epoch, num_epoch):
+        if not run.progress.trained_all:
+          run_epoch(trainer, parts, 'fit', train_data, logs['fit'], epoch, options, run, stop)
+          trainer.optimizer.lr.step_epoch()
+          run.progress = run.progress._replace(trained_all=True)
+        if test_data is not None:
+          run.test_starts()
+          run_epoch(trainer, parts, 'test', test_data, logs['test'], epoch, options, run, stop)
+        run.epoch_done()
+        stop.check()
+  except (Interrupted, KeyboardInterrupt) as interruption:
+    if not getattr(interruption, 'forced', False):  # a second Ctrl-C mid-step may have left a half-written step
+      run.save()
+    _keep_history(trainer, logs)
+    if not isinstance(interruption, Interrupted):
+      raise
+    act_on(interruption.signum)  # Ctrl-C: KeyboardInterrupt; SIGTERM: its previous handler (default: exit)
+  finally:
+    _keep_history(trainer, logs)
+
+
+def _keep_history(trainer, logs: Dict[str, PhaseLog]) -> None:
+  trainer._report_train_metrics, trainer._detailed_train_metrics = logs['fit'].arrays()
+  trainer._report_test_metrics, trainer._detailed_test_metrics = logs['test'].arrays()
+
+
+def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epoch: int, options: LoopOptions,
+              run: Run, stop: StopRequest) -> None:
+  """Run one pass of ``phase`` (``'fit'`` or ``'test'``) over ``data``; a resumed training pass skips the
+  batches already trained and continues the report window it had open."""
+  batches = data() if callable(data) else data
+  skip = run.progress.trained if phase == 'fit' else 0
+  bar = (tqdm(total=len(cast(Sized, batches)), initial=skip)
+         if options.show_bars and hasattr(batches, '__len__') else None)
+  window = steps_for_epoch(trainer.accumulate_steps, epoch) if phase == 'fit' else 1
+  if skip == 0:
+    log.start_epoch()
+  try:
+    for position, (batch, last) in enumerate(with_last_flag(itertools.islice(batches, skip, None)), start=skip):
+      inputs, targets = _pair(phase, position, batch)
+      layout = parts.check_batch(inputs, targets)  # before anything changes
+      if options.reset_state:
+        trainer.target.reset(layout.batch_size)
+        trainer.reset_state()
+      parts.place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
+      if trainer.num_micro_batch == 'auto':
+        trainer.plan_memory(inputs, targets, options.shared_args)
+      update = last or (position + 1) % window == 0
+      chunk = trainer.stream_chunks.get(layout.batch_size)
+      if chunk is None:
+        if phase == 'fit':
+          parts.check_loss_once(options.shared_args, inputs, targets)  # once per trainer, changes nothing
+        loss, aux = _run_step(trainer, parts, phase, _step_kind(trainer, phase, update), options, inputs, targets,
+                              layout.batch_size)
+      else:
+        loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk)
+      log.record(loss, aux, _describe(trainer, layout.batch_size, window))
+      if phase == 'fit':
+        run.batch_trained(update)
+      if bar is not None:
+        bar.update(1)
+      if options.num_report > 0 and log.steps % options.num_report == 0:
+        _emit(trainer, log, log.steps, 'steps', phase, bar, options.fun_after_report)
+      if phase == 'fit':
+        run.after_report(update)
+      stop.check()
+    if options.num_report <= 0:
+      _emit(trainer, log, epoch, 'epoch', phase, bar, options.fun_after_report)
+  finally:
+    if bar is not None:
+      bar.close()
+
+
+def _pair(phase: str, position: int, batch) -> Tuple[Any, Any]:
+  """``(inputs, targets)`` of one batch, or an error naming the data before anything runs."""
+  if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+    name = 'train_data' if phase == 'fit' else 'test_data'
+    what = f'{type(batch).__name__} of length {len(batch)}' if isinstance(batch, (tuple, list)) else type(batch).__name__
+    raise ValueError(f'{name} gave a {what} as batch {position}: each batch must be a pair (inputs, targets).')
+  return batch[0], batch[1]
+
+
+def _step_kind(trainer, phase: str, update: bool, streamed: bool = False) -> str:
+  """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or the ``accumulate_steps``
+  window's update), ``'collect'`` (into the window, no update) or ``'close'`` (a streamed batch's last chunk)."""
+  if phase != 'fit':
+    return 'loss'
+  if not update:
+    return 'collect'
+  return 'close' if streamed and trainer.accumulate_steps == 1 else 'fit'
+
+
+def _run_step(trainer, parts: TrainerParts, phase: str, kind: str, options: LoopOptions, inputs, targets,
+              batch_size: int):
+  """Run one compiled step (again, cut finer, after running out of device memory); its ``(loss, aux)``."""
+  result, compiles = run_with_retry(
+    lambda: _call_step(parts.step(kind), options.shared_args, inputs, targets),
+    lambda error: parts.replan_finer(batch_size))
+  step_phase = 'fit' if phase == 'fit' else 'loss'
+  if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
+    parts.note_compilations(step_phase, compiles)
+  return _split_result(trainer, phase, result)
+
+
+def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, options: LoopOptions, inputs, targets,
+                  layout, chunk: int):
+  """A batch streamed from the host (:mod:`~brainpy_accum.memory._stream`): each chunk's sums into the window, the last updates.
+
+  Each chunk starts from its samples' slice of the whole batch's model state (reset at the batch size, as
+  ``bp.BPTT`` resets it, so random initial states are the same draws) and writes its final state back.
+  """
+  states = batched_variables(trainer.target, layout.batch_size)
+  whole = {name: all_samples(name, var, axis, layout.batch_size) for name, (var, axis) in states.items()}
+  sizes, results, weights, start = chunk_sizes(layout.batch_size, chunk), [], [], 0
+  with declared_batch_axes(states.values()):
+    for i, size in enumerate(sizes):
+      x = host_chunk(inputs, layout.input_axes, start, size)
+      y = host_chunk(targets, layout.target_axes, start, size)
+      for name, (var, axis) in states.items():
+        var.value = jax.lax.slice_in_dim(whole[name], start, start + size, axis=axis)
+      trainer.plan_memory(x, y, options.shared_args)  # the shorter last chunk has its own plan
+      if phase == 'fit' and i == 0:
+        parts.check_loss_once(options.shared_args, x, y)
+      kind = _step_kind(trainer, phase, update and i == len(sizes) - 1, streamed=True)
+      results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))
+      weights.append(size if trainer.loss_weight_fn is None else float(trainer.loss_weight_fn(x, y)))
+      for name, (var, axis) in states.items():
+        whole[name] = jax.lax.dynamic_update_slice_in_dim(whole[name], bm.as_jax(var.value), start, axis=axis)
+      start += size
+    for name, (var, axis) in states.items():
+      var.value = whole[name]
+  return combine(results, weights, trainer.grad_reduction)
+
+
+def _call_step(step: Callable, shared_args, inputs, targets):
+  """Run the compiled step for this batch; return its result and the XLA compilations it caused."""
+  with count_compilations() as compiled:
+    result = step(shared_args, inputs, targets)
+  return result, compiled()
+
+
+def _describe(trainer, batch_size: int, window: int) -> str:
+  chunk = trainer.stream_chunks.get(batch_size)
+  if chunk is None:
+    text = trainer.describe_batch(batch_size)
+  else:
+    text = (f'batch {batch_size} streamed in {len(chunk_sizes(batch_size, chunk))} chunks of '
+            f'{trainer.describe_batch(chunk).replace("batch ", "", 1)}')
+  return text + (f', {window} batches per update' if window > 1 else '')
+
+
+def _split_result(trainer, phase: str, result) -> Tuple[Any, dict]:
+  if phase == 'fit':
+    return result[0], (result[1] if trainer.loss_has_aux else {})
+  return result if trainer.loss_has_aux else (result, {})
+
+
+def _emit(trainer, log: PhaseLog, idx: int, unit: str, phase: str, bar, fun_after_report) -> None:
+  skipped = trainer.skip_nonfinite and phase == 'fit'
+  line, means = log.close_window(idx, unit, f', skipped {int(trainer.skipped_steps.value)} non-finite' if skipped else '')
+  if bar is not None:
+    bar.set_description(line, refresh=True)
+  else:
+    print(line)
+  if fun_after_report is not None:
+    fun_after_report(idx, means, phase)

@@ -1,0 +1,108 @@
+"""One batch of :class:`AccumBPTT`'s train and evaluation steps, built on the core's
+:func:`~brainpy_accum.core.accumulate`.
+
+Every step, local or on a mesh, with or without an ``accumulate_steps`` window, in the default or the
+two-pass mode, is the same two functions:
+
+1. :func:`batch_sums`: the weighted sums of this device's share of the batch (the whole batch without a
+   mesh), from the core's micro-batch loop;
+2. :func:`settle`: the one place that adds the devices' sums (``across``: one ``psum`` on a mesh, nothing
+   locally) and either finishes the batch (divides), or adds it to the window and, at an update, closes
+   the window.
+
+A mesh only wraps the pair in ``shard_map`` (:mod:`~brainpy_accum.trainer._sharded`). What :func:`settle` returns is applied by
+the trainer outside, once per optimizer update.
+"""
+
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import brainpy.math as bm
+import jax.numpy as jnp
+
+from ..core._accumulate import MicroResult, Sums, accumulate
+from ..core._combine import finish_grads, finish_values
+from ..core._cut import MicroBatchPlan
+from ._update import all_finite
+
+__all__ = ['Settled', 'micro_step', 'batch_sums', 'settle', 'same']
+
+
+class Settled(NamedTuple):
+  """What one batch leaves for the trainer to apply.
+
+  ``grads``: the gradient of the update (accumulator precision), ``None`` when the step only collects or
+  evaluates; ``apply``: the non-finite guard of that update (``None``: always apply); ``finite``: whether
+  this batch's gradient was finite, for the skip counter (``None``: not checked); ``loss``, ``aux``: the
+  batch's loss and metrics.
+  """
+  grads: Any
+  apply: Any
+  finite: Any
+  loss: Any
+  aux: Any
+
+
+def same(tree):
+  """``across`` without a mesh: one device holds every sum already."""
+  return tree
+
+
+def micro_step(loss_and_aux: Callable, shared_args, params: Optional[dict], weigh: Callable) -> Callable:
+  """The core's ``micro_fn`` for ``loss_and_aux(shared_args, inputs, targets) -> (loss, aux)``: its gradient
+  with respect to the Variables ``params`` (``None``: no gradient) and the weight ``weigh(micro_args, size)``.
+
+  ``shared_args`` enter the gradient as an argument, as in ``bp.BPTT``'s ``f_grad``: brainpy traces them
+  there, so a model that reads them (``share.load('fit')``) sees what it sees under ``bp.BPTT``.
+  """
+
+  def micro_fn(micro_args, size: int) -> MicroResult:
+    weight = weigh(micro_args, size)
+    if params is None:
+      return MicroResult(None, *loss_and_aux(shared_args, *micro_args), weight)
+    grad_fn = bm.grad(loss_and_aux, grad_vars=params, return_value=True, has_aux=True)
+    grads, loss, aux = grad_fn(shared_args, *micro_args)
+    return MicroResult({k: bm.as_jax(g) for k, g in grads.items()}, loss, aux, weight)
+
+  return micro_fn
+
+
+def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: MicroBatchPlan, states: Sequence,
+               params: Optional[dict], alone: bool, two_passes: Optional[Callable] = None) -> Sums:
+  """The weighted sums of ``plan``'s micro-batches of ``args`` (this device's share), from the core.
+
+  ``alone``: nothing else is added to this batch (no mesh, no window), so a batch in one piece is its own
+  mean, weight ``1``: :class:`brainpy.BPTT`'s step, bit for bit. ``two_passes(args, axes, plan, states)``,
+  given, runs a batch of several micro-batches instead (``whole_batch_loss=True``; also weight ``1``).
+  """
+  if plan.num_micro_batches == 1 and alone:
+    out = micro_fn(args, plan.batch_size)
+    return Sums(out.grads, 1., out.loss, out.aux, None)
+  if two_passes is not None and (plan.num_micro_batches > 1 or not alone):
+    return two_passes(args, axes, plan, states)
+  grads_like = None if params is None else {k: v.value for k, v in params.items()}
+  return accumulate(micro_fn, args, axes, plan, states, grads_like)
+
+
+def settle(sums: Sums, across: Callable, reduction: str, skip_nonfinite: bool, window=None,
+           update: bool = True) -> Settled:
+  """Add the devices' ``sums`` (``across``) and finish the batch, or put it in the ``window``.
+
+  Without a window the batch's gradient is its mean (``'sum'``: its sum). With one, each device adds its
+  own sums to its row of the window, and the devices add their gradients only when ``update`` closes it:
+  one gradient all-reduce per optimizer update; a non-finite batch (on any device) is left out.
+  """
+  if window is None:
+    grad_sum, total, loss_sum, aux_sum = across((sums.grad_sum, sums.total_weight, sums.loss_sum, sums.aux_sum))
+    grads = finish_grads(grad_sum, total, reduction)
+    finite = all_finite(grads) if skip_nonfinite else None
+    return Settled(grads, finite, finite, *finish_values((loss_sum, aux_sum), total, reduction))
+  bad = (~all_finite(sums.grad_sum)).astype(jnp.int32) if skip_nonfinite else jnp.zeros((), jnp.int32)
+  total, loss_sum, aux_sum, bad = across((sums.total_weight, sums.loss_sum, sums.aux_sum, bad))
+  finite = (bad == 0) if skip_nonfinite else None
+  window.add_sums(sums.grad_sum, sums.total_weight, keep=finite)
+  loss, aux = finish_values((loss_sum, aux_sum), total, reduction)
+  if not update:
+    return Settled(None, None, finite, loss, aux)
+  grad_sum, weight = across(window.take_sums())
+  grads = finish_grads(grad_sum, jnp.where(weight > 0, weight, 1.), reduction)
+  return Settled(grads, (weight > 0) if skip_nonfinite else None, finite, loss, aux)

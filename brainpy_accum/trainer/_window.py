@@ -1,0 +1,111 @@
+"""Accumulation across batches: ``accumulate_steps`` batches from the data iterator, one optimizer update.
+
+The running sums live in BrainPy Variables, so they stay on the device and
+inside the compiled step. A window closes after ``k`` batches or at the last
+batch of an epoch, whichever comes first, and is weighted by what it held:
+a short last window is neither under- nor over-weighted, and nothing carries
+into the next epoch.
+"""
+
+from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
+
+import brainpy.math as bm
+import jax.numpy as jnp
+
+from ..core._combine import wide_zeros_like
+from ..core._cut import check_positive_int
+
+__all__ = ['GradWindow', 'check_accumulate_steps', 'steps_for_epoch', 'with_last_flag']
+
+
+def check_accumulate_steps(value) -> Union[int, Dict[int, int]]:
+  """An int ``k >= 1``, or an epoch schedule ``{first_epoch: k}`` like Lightning's ``GradientAccumulationScheduler``."""
+  if isinstance(value, dict):
+    if not value:
+      raise ValueError('accumulate_steps={} is empty: give e.g. {0: 1, 5: 4} (from epoch 5 on, 4 batches per update).')
+    for epoch, k in value.items():
+      if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f'accumulate_steps={value!r}: the key {epoch!r} must be an epoch index (int >= 0).')
+      check_positive_int(f'accumulate_steps[{epoch}]', k, 'Each value is the number of batches per update.')
+    return dict(sorted(value.items()))
+  return check_positive_int('accumulate_steps', value, 'Pass e.g. accumulate_steps=4 or {0: 1, 5: 4}.')
+
+
+def steps_for_epoch(schedule: Union[int, Dict[int, int]], epoch: int) -> int:
+  """Batches per update in ``epoch``: the value of the last schedule key ``<= epoch`` (1 before the first key)."""
+  if isinstance(schedule, int):
+    return schedule
+  return next((k for start, k in reversed(schedule.items()) if start <= epoch), 1)
+
+
+def with_last_flag(items: Iterable) -> Iterator[Tuple[object, bool]]:
+  """Yield ``(item, is_last)``, looking one item ahead.
+
+  If fetching the next item fails, the item in hand is still yielded (as not last) before the error is
+  raised: the batches a failing data source gave are all trained, as :class:`brainpy.BPTT` trains them.
+  """
+  iterator = iter(items)
+  try:
+    previous = next(iterator)
+  except StopIteration:
+    return
+  while True:
+    try:
+      item = next(iterator)
+    except StopIteration:
+      break
+    except Exception:
+      yield previous, False
+      raise
+    yield previous, False
+    previous = item
+  yield previous, True
+
+
+def _kept(grads: Dict, weight, keep: Optional[object]):
+  """``(grads, weight)`` as float32 weight, both zeroed where ``keep`` is False (``None`` keeps all)."""
+  weight = jnp.asarray(weight, jnp.float32)
+  if keep is None:
+    return grads, weight
+  return {k: jnp.where(keep, g, jnp.zeros_like(g)) for k, g in grads.items()}, jnp.where(keep, weight, 0.)
+
+
+class GradWindow:
+  """Sum of weighted batch gradients and of their weights since the last update, in Variables.
+
+  With ``copies=D`` every sum gets a leading axis of ``D`` rows, one per
+  device of a mesh (sharded along it), so each device keeps its own partial
+  sums between updates and the devices add them only when the window closes.
+  """
+
+  def __init__(self, params: Dict[str, bm.Variable], copies: Optional[int] = None):
+    zeros = wide_zeros_like({k: v.value for k, v in params.items()})
+    self.copies = copies
+    if copies is not None:
+      zeros = {k: jnp.zeros((copies,) + z.shape, z.dtype) for k, z in zeros.items()}
+    self.grads = bm.VarDict({k: bm.Variable(z) for k, z in zeros.items()})
+    self.weight = bm.Variable(jnp.zeros(() if copies is None else (copies,), jnp.float32))
+
+  def add_sums(self, grad_sums: Dict, weight, keep: Optional[object] = None) -> None:
+    """Add already weighted gradient sums (one device's, inside a shard) and their weight."""
+    grad_sums, weight = _kept(grad_sums, weight, keep)
+    for k, var in self.grads.items():
+      var.value = var.value + grad_sums[k].astype(var.dtype)  # broadcasts over a device row
+    self.weight.value = self.weight.value + weight
+
+  def take_sums(self):
+    """Return this device's ``(grad_sums, weight)`` (its row of each sum, on a mesh) and empty the window."""
+    row = (lambda x: x) if self.copies is None else (lambda x: x.sum(0))
+    sums = {k: row(v.value) for k, v in self.grads.items()}
+    weight = row(self.weight.value)
+    self._empty()
+    return sums, weight
+
+  def _empty(self) -> None:
+    for var in self.grads.values():
+      var.value = jnp.zeros_like(var.value)
+    self.weight.value = jnp.zeros_like(self.weight.value)
+
+  def variables(self) -> Dict[str, bm.Variable]:
+    """The window's Variables by name, for checkpoints."""
+    return {**{f'grads/{k}': v for k, v in self.grads.items()}, 'weight': self.weight}

@@ -1,0 +1,196 @@
+"""Resuming an interrupted ``fit``: a killed process, SIGTERM, Ctrl-C, and the checkpoint arguments.
+
+The reference is the same run uninterrupted. Float32 results are compared with the suite's tolerance,
+though a resumed run repeats the same compiled steps on the same values and is in practice bit-equal.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import brainpy as bp
+import numpy as np
+import pytest
+
+import background
+from brainpy_accum import AccumBPTT
+from helpers import assert_trees_close, make_batches, make_model, params_of
+
+
+WORKER = str(background.HERE / 'resume_worker.py')
+KILL_AFTER = {'SIGKILL': 7, 'SIGTERM': 11}  # 'batch' lines read (of 15 over 3 epochs) before the signal
+
+
+def _worker(checkpoint, out) -> subprocess.Popen:
+  return subprocess.Popen([sys.executable, WORKER, str(checkpoint), str(out)], env=background.env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _interrupt(process: subprocess.Popen, signum: int, after: int, delay: float) -> str:
+  """Send ``signum`` once ``after`` batch lines were printed and ``delay`` seconds more passed."""
+  lines = []
+  for line in process.stdout:
+    lines.append(line)
+    if sum(text.startswith('batch') for text in lines) == after:
+      time.sleep(delay)
+      process.send_signal(signum)
+      break
+  rest, _ = process.communicate(timeout=300)
+  return ''.join(lines) + rest
+
+
+def _finish(process: subprocess.Popen) -> str:
+  output, _ = process.communicate(timeout=300)
+  assert process.returncode == 0, output
+  return output
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  out = tmp_path_factory.mktemp('reference') / 'reference.npz'
+  _finish(_worker('-', out))
+  return dict(np.load(out))
+
+
+@pytest.mark.long  # the long suite (--long)
+@pytest.mark.parametrize('signame', ['SIGKILL', 'SIGTERM'])
+def test_killed_run_resumes_to_the_uninterrupted_result(signame, uninterrupted, tmp_path):
+  checkpoint, out = tmp_path / 'run.ckpt', tmp_path / 'resumed.npz'
+  signum = getattr(signal, signame)
+  delay = np.random.RandomState(KILL_AFTER[signame]).uniform(0., 0.3)  # somewhere inside a step or a save
+  output = _interrupt(_worker(checkpoint, out), signum, KILL_AFTER[signame], delay)
+  assert checkpoint.exists(), output
+  assert not out.exists(), 'the worker was to be interrupted before it finished'
+  assert not list(tmp_path.glob('run.ckpt.tmp-*')) or signame == 'SIGKILL', 'SIGTERM leaves no temporary file'
+  if signame == 'SIGTERM':
+    assert 'resuming' not in output and 'Traceback' not in output, output
+  output = _finish(_worker(checkpoint, out))
+  assert 'resuming from checkpoint' in output
+  assert not list(tmp_path.glob('run.ckpt.tmp-*')), 'stale temporary files are removed by the next save'
+  resumed = dict(np.load(out))
+  assert resumed.keys() == uninterrupted.keys()
+  assert_trees_close(resumed, uninterrupted)
+
+
+def _trainer(**kwargs):
+  return AccumBPTT(make_model('rnn'), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05),
+                   num_micro_batch=2, progress_bar=False, **kwargs)
+
+
+BATCHES = make_batches((4, 4, 3, 4, 4, 2))
+
+
+def _signalling(batches, at: int, signum=signal.SIGINT):
+  """The batches, sending ``signum`` to this process while fetching batch ``at`` (one is already in hand:
+  fit looks one batch ahead, so the signal arrives before batch ``at - 1`` runs)."""
+  def data():
+    for i, batch in enumerate(batches):
+      if i == at:
+        os.kill(os.getpid(), signum)
+      yield batch
+  return data
+
+
+@pytest.fixture
+def ctrl_c_raises():
+  """Python's own Ctrl-C handler (a process started in the background may ignore SIGINT)."""
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_finishes_the_batch_then_stops_with_a_checkpoint(tmp_path, ctrl_c_raises):
+  checkpoint = tmp_path / 'run.ckpt'
+  trainer = _trainer()
+  with pytest.raises(KeyboardInterrupt):
+    trainer.fit(_signalling(BATCHES, at=4), num_epoch=2, num_report=1, checkpoint=checkpoint)
+  partial = _trainer()
+  partial.fit(BATCHES[:4], num_epoch=1, num_report=1)  # batches 0-3: batch 3 was in hand when the signal came
+  assert_trees_close(params_of(trainer.target), params_of(partial.target))
+  np.testing.assert_allclose(trainer.train_losses, partial.train_losses, rtol=1e-6)
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, 'the Ctrl-C handler is restored'
+  assert checkpoint.exists()
+
+  trainer.fit(BATCHES, num_epoch=2, num_report=1, checkpoint=checkpoint)  # the same call again: resumes
+  whole = _trainer()
+  whole.fit(BATCHES, num_epoch=2, num_report=1)
+  assert_trees_close(params_of(trainer.target), params_of(whole.target))
+  np.testing.assert_allclose(trainer.train_losses, whole.train_losses, rtol=1e-6)
+
+
+def test_finished_run_is_continued_by_a_larger_num_epoch(tmp_path):
+  checkpoint = tmp_path / 'run.ckpt'
+  first = _trainer(accumulate_steps=2)
+  first.fit(BATCHES, num_epoch=1, checkpoint=checkpoint)
+  again = _trainer(accumulate_steps=2)
+  again.fit(BATCHES, num_epoch=1, checkpoint=checkpoint)  # done already: nothing trains
+  assert_trees_close(params_of(again.target), params_of(first.target))
+  np.testing.assert_allclose(again.train_losses, first.train_losses)
+  more = _trainer(accumulate_steps=2)
+  more.fit(BATCHES, num_epoch=3, checkpoint=checkpoint)
+  whole = _trainer(accumulate_steps=2)
+  whole.fit(BATCHES, num_epoch=3)
+  assert_trees_close(params_of(more.target), params_of(whole.target))
+  np.testing.assert_allclose(more.train_losses, whole.train_losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize('kwargs, error, message', [
+    (dict(checkpoint=3), TypeError, 'checkpoint=3 must be a file path'),
+    (dict(checkpoint_every=2), ValueError, "checkpoint_every=2 needs a checkpoint path"),
+    (dict(checkpoint='x.ckpt', checkpoint_every=0), ValueError, 'checkpoint_every=0 must be a positive int'),
+    (dict(checkpoint='x.ckpt', checkpoint_every=1.5), TypeError, 'checkpoint_every=1.5 must be a positive int'),
+])
+def test_checkpoint_arguments_are_checked_before_training(kwargs, error, message, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  trainer = _trainer()
+  before = params_of(trainer.target)
+  with pytest.raises(error, match=message):
+    trainer.fit(BATCHES, num_epoch=1, **kwargs)
+  assert_trees_close(params_of(trainer.target), before)
+  assert not list(tmp_path.iterdir())
+
+
+def test_checkpoint_of_another_model_is_refused_before_training(tmp_path):
+  checkpoint = tmp_path / 'run.ckpt'
+  _trainer().fit(BATCHES[:1], num_epoch=1, checkpoint=checkpoint)
+  other = AccumBPTT(make_model('snn'), bp.losses.mean_squared_error, num_micro_batch=2, progress_bar=False)
+  before = params_of(other.target)
+  with pytest.raises(ValueError, match='Nothing was loaded'):
+    other.fit(BATCHES, num_epoch=1, checkpoint=checkpoint)
+  assert_trees_close(params_of(other.target), before)
+
+
+def test_loaded_checkpoint_reuses_the_compiled_step(tmp_path):
+  """Loaded values keep the placement, commitment and weak types of the trained ones: no new compilation."""
+  trainer = _trainer()
+  trainer.fit(BATCHES[:2], num_epoch=1)
+  trainer.load_checkpoint(trainer.save_checkpoint(tmp_path / 'run.ckpt'))
+  trainer.fit(BATCHES[:2], num_epoch=1)
+  assert trainer.compilations['fit'] == 1
+
+
+@pytest.mark.long  # the long suite (--long)
+def test_ignored_ctrl_c_stays_ignored_and_a_handler_that_returns_ends_fit_early(tmp_path):
+  """SIG_IGN: fit trains on as if nothing came. A user's handler that returns: fit stops at the batch
+  boundary, writes the checkpoint, runs the handler and returns; the same call then resumes."""
+  before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    trainer = _trainer()
+    trainer.fit(_signalling(BATCHES, at=2), num_epoch=1)
+    whole = _trainer()
+    whole.fit(BATCHES, num_epoch=1)
+    assert_trees_close(params_of(trainer.target), params_of(whole.target))
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+    calls = []
+    signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    checkpoint = tmp_path / 'run.ckpt'
+    stopped = _trainer()
+    stopped.fit(_signalling(BATCHES, at=2), num_epoch=1, num_report=1, checkpoint=checkpoint)
+    assert calls == [signal.SIGINT] and len(stopped.train_losses) == 2
+    stopped.fit(BATCHES, num_epoch=1, num_report=1, checkpoint=checkpoint)
+    assert_trees_close(params_of(stopped.target), params_of(whole.target))
+  finally:
+    signal.signal(signal.SIGINT, before)

@@ -1,0 +1,103 @@
+"""Working memory: remat over time and the memory-budget planner, judged by XLA's compile-time analysis."""
+
+import brainpy as bp
+import pytest
+
+from brainpy_accum import AccumBPTT, parse_memory, plan_micro_batches
+from brainpy_accum.memory._budget import candidate_micro_batch_sizes
+from helpers import assert_trees_close, make_batches, make_model, params_of
+
+FIT = bp.tools.DotDict(fit=True)
+
+
+def _batch(size=48, num_time=40):
+  return make_batches((size,), num_time=num_time, n_in=8, n_out=4)[0]
+
+
+def _trainer(**kwargs):
+  model = make_model('rnn', n_in=8, n_hidden=64, n_out=4)
+  return AccumBPTT(model, bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False,
+                   **kwargs)
+
+
+@pytest.mark.parametrize('remat', [True, 7])
+def test_remat_gives_the_same_training_as_storing_every_step(remat):
+  batches = make_batches((10, 7), num_time=30)
+  results = []
+  for option in (False, remat):
+    model = make_model('snn')
+    trainer = AccumBPTT(model, bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05),
+                        num_micro_batch=3, remat=option, progress_bar=False)
+    trainer.fit(batches, num_epoch=2)
+    results.append((params_of(model), trainer.get_hist_metric('fit', 'loss', 'detailed')))
+  assert_trees_close(results[1], results[0])
+
+
+def test_remat_halves_the_working_memory_of_long_sequences():
+  x, y = _batch(num_time=200)
+  temp = {}
+  for remat in (False, True):
+    trainer = _trainer(num_micro_batch=2, remat=remat)
+    trainer.target.reset(len(x))
+    compiled = trainer.f_train.compile(FIT, x, y)
+    temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+  assert temp[True] <= 0.5 * temp[False], temp
+
+
+def test_memory_falls_with_the_micro_batch_size_even_with_a_short_micro_batch():
+  x, y = _batch()
+  trainer = _trainer(num_micro_batch='auto', memory_budget='1GiB')
+  trainer.target.reset(len(x))
+  sizes = candidate_micro_batch_sizes(48)[:5]  # 48, 24, 16 (even) and 12 (even), 10 (4 x 10 + 8)
+  used = [trainer.compiled_step_bytes(plan_micro_batches(48, micro_batch_size=s), FIT, x, y) for s in sizes]
+  assert used == sorted(used, reverse=True), dict(zip(sizes, used))
+
+
+def test_planner_picks_the_fewest_micro_batches_that_fit():
+  x, y = _batch()
+  probe = _trainer(num_micro_batch='auto', memory_budget='1GiB')
+  probe.target.reset(len(x))
+  need = {s: probe.compiled_step_bytes(plan_micro_batches(48, micro_batch_size=s), FIT, x, y) for s in (16, 24)}
+  budget = (need[16] + need[24]) // 2  # 16 samples per micro-batch fit, 24 do not
+
+  trainer = _trainer(num_micro_batch='auto', memory_budget=budget)
+  trainer.fit([(x, y)], num_epoch=1)
+  plan, used = trainer.memory_plans[48]
+  assert plan.micro_batch_size == 16 and trainer.num_micro_batch_for(48) == 3
+  assert used == need[16] <= budget < need[24]
+  assert trainer.compilations['fit'] == 1  # the probes compile on the side; the step compiles once
+
+
+def test_planner_names_the_budget_that_would_fit():
+  x, y = _batch()
+  trainer = _trainer(num_micro_batch='auto', memory_budget=1000)
+  params = params_of(trainer.target)
+  with pytest.raises(ValueError, match=r'memory_budget=1000 B \(1000 bytes\) is too small: even micro-batches of '
+                                       r'one sample need .* Raise memory_budget to at least \d+'):
+    trainer.fit([(x, y)], num_epoch=1)
+  assert_trees_close(params_of(trainer.target), params, rtol=0, atol=0)
+
+
+def test_unplanned_batch_size_is_explained():
+  with pytest.raises(ValueError, match=r'No micro-batch plan for batch_size=8 yet.*plan_memory'):
+    _trainer(num_micro_batch='auto', memory_budget='1GiB').plan_for(8)
+
+
+@pytest.mark.parametrize('text, size', [('2GiB', 2 ** 31), ('512 MiB', 2 ** 29), ('1.5GB', 1_500_000_000),
+                                        (4096, 4096)])
+def test_memory_budget_strings(text, size):
+  assert parse_memory(text) == size
+
+
+@pytest.mark.parametrize('kwargs, error, message', [
+  ({'num_micro_batch': 'auto'}, ValueError, "needs memory_budget, e.g. memory_budget='2GiB'"),
+  ({'num_micro_batch': 'auto', 'memory_budget': '2 apples'}, ValueError, "memory_budget='2 apples' is not a size"),
+  ({'num_micro_batch': 'auto', 'memory_budget': 2.5}, TypeError, 'memory_budget=2.5 must be bytes'),
+  ({'num_micro_batch': 4, 'memory_budget': '1GiB'}, ValueError, "only used with num_micro_batch='auto'"),
+  ({'num_micro_batch': 'many'}, TypeError, "num_micro_batch='many' must be a positive int"),
+  ({'num_micro_batch': 2, 'remat': 0}, ValueError, 'remat=0 must be a positive int'),
+  ({'num_micro_batch': 2, 'remat': 'yes'}, TypeError, "remat='yes'"),
+])
+def test_bad_memory_options_are_named(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    _trainer(**kwargs)

@@ -1,0 +1,94 @@
+"""Batches whose data does not fit ``memory_budget`` beside the step: streamed from the host in chunks.
+
+The reference is ``bp.BPTT`` on the whole batch: one update per batch, the same parameters, losses and
+model state, also with random initial states (drawn at the whole batch's size), carried states
+(``reset_state=False``) and ``accumulate_steps``.
+"""
+
+import brainpy as bp
+import numpy as np
+import pytest
+
+from brainpy_accum import AccumBPTT
+from brainpy_accum.memory._stream import chunk_candidates, chunk_sizes, combine
+from helpers import assert_trees_close, make_batches, make_model, params_of
+from test_training_loop import windows
+
+
+N_IN, N_HIDDEN, T = 64, 8, 20
+
+
+def _model():
+  return make_model('snn', n_in=N_IN, n_hidden=N_HIDDEN)  # random initial potentials at every reset
+
+
+def _batches(sizes, seed=1):
+  return make_batches(sizes, num_time=T, n_in=N_IN, seed=seed)
+
+
+def _budget(batches, times_smaller=3):
+  """A budget that the data of the largest batch exceeds ``times_smaller`` times."""
+  return max(x.nbytes + y.nbytes for x, y in batches) // times_smaller
+
+
+def test_batch_several_times_the_budget_trains_as_bptt():
+  batches = _batches((48, 48, 21))
+  budget = _budget(batches)
+  reference = bp.BPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
+  reference.fit(batches, num_epoch=2)
+  trainer = AccumBPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=budget)
+  trainer.fit(batches, num_epoch=2)
+  assert set(trainer.stream_chunks) == {48, 21}
+  for size, chunk in trainer.stream_chunks.items():
+    assert chunk < size and trainer.memory_plans[chunk][1] <= budget
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
+  np.testing.assert_allclose(trainer.train_losses, reference.train_losses, rtol=1e-5)
+  assert_trees_close(trainer.target.lif.V.value, reference.target.lif.V.value)  # the whole batch's final state
+
+
+@pytest.mark.long  # the long suite (--long)
+def test_streamed_carried_states_and_windows_train_as_bptt():
+  """``reset_state=False`` (each chunk continues its samples' state) and ``accumulate_steps=2`` (chunks of
+  two batches, one update) against bp.BPTT on the windows' concatenated batches."""
+  batches = _batches((32, 32, 32, 32), seed=2)
+  budget = _budget(batches)
+  reference = bp.BPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
+  reference.fit(batches, num_epoch=1)
+  reference.fit(batches, num_epoch=1, reset_state=False)
+  trainer = AccumBPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=budget)
+  trainer.fit(batches, num_epoch=1)
+  trainer.fit(batches, num_epoch=1, reset_state=False)
+  assert trainer.stream_chunks
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
+  np.testing.assert_allclose(trainer.train_losses, reference.train_losses, rtol=1e-5)
+
+  # A window's batches are reset one by one, bp.BPTT's merged batch at once: random initial states would
+  # differ, so this half uses the rate network (zero initial state).
+  rnn = lambda: make_model('rnn', n_in=N_IN, n_hidden=N_HIDDEN)
+  reference = bp.BPTT(rnn(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
+  reference.fit(windows(batches, 2), num_epoch=1)
+  trainer = AccumBPTT(rnn(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=budget, accumulate_steps=2)
+  trainer.fit(batches, num_epoch=1)
+  assert trainer.stream_chunks == {32: trainer.stream_chunks[32]}
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
+
+
+def test_batch_that_fits_is_not_streamed():
+  batches = _batches((8,))
+  trainer = AccumBPTT(_model(), bp.losses.mean_squared_error, progress_bar=False, num_micro_batch='auto',
+                      memory_budget='64MiB')
+  trainer.fit(batches, num_epoch=1)
+  assert trainer.stream_chunks == {} and trainer.memory_plans[8][0].num_micro_batches == 1
+
+
+def test_chunk_arithmetic_and_combined_metrics():
+  assert chunk_candidates(48) == [24, 12, 6, 3, 2, 1]
+  assert chunk_sizes(21, 6) == [6, 6, 6, 3]
+  loss, aux = combine([(np.float32(1.), {'a': np.float32(2.)}), (np.float32(4.), {'a': np.float32(8.)})],
+                      [3, 1], 'mean')
+  assert loss == pytest.approx(1.75) and aux['a'] == pytest.approx(3.5) and loss.dtype == np.float32
+  loss, aux = combine([(np.float32(1.), {}), (np.float32(4.), {})], None, 'sum')
+  assert loss == pytest.approx(5.)
