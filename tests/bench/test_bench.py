@@ -40,6 +40,7 @@ def test_rounds_alternate_order_and_ratios_are_per_round():
   assert per_round_ratio([1., 2., 4.], [1., 2., 2.]) == 1.
 
 
+@pytest.mark.long
 def test_quick_run_writes_report_json_and_figure(tmp_path):
   bench_main.main(['--quick', '--workloads', 'rnn', '--rounds', '1', '--parts', 'steps', '--out', str(tmp_path)])
   text = (tmp_path / 'benchmark.md').read_text()
@@ -49,6 +50,7 @@ def test_quick_run_writes_report_json_and_figure(tmp_path):
   assert (tmp_path / 'benchmark.png').stat().st_size > 0
 
 
+@pytest.mark.long
 def test_largest_batch_grows_with_micro_batches():
   budget = 300_000
   whole = largest_batch_within(budget, 'bptt', 'rnn', TINY._replace(time=40, hidden=32))

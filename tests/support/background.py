@@ -32,6 +32,8 @@ NUM_MICRO_BATCH_FOR_BRAINPY_SUITE = (2, 3)  # even and uneven splits of BrainPy'
 def env(**extra) -> dict:
   """This environment, with the support and test folders importable and ``extra`` set."""
   values = dict(os.environ, **extra)
+  if 'XLA_FLAGS' in extra and os.environ.get('XLA_FLAGS'):  # keep the session's flags (conftest's -O0)
+    values['XLA_FLAGS'] = f"{os.environ['XLA_FLAGS']} {extra['XLA_FLAGS']}"
   values['PYTHONPATH'] = os.pathsep.join([str(HERE)] + TEST_FOLDERS + [p for p in [values.get('PYTHONPATH')] if p])
   return values
 
@@ -78,14 +80,13 @@ def brainpy_test_file() -> pathlib.Path:
   return package / 'train' / 'back_propagation_test.py'
 
 
-def start_brainpy_suite() -> None:
-  """BrainPy's BPTT test file with bp.BPTT switched to AccumBPTT, at num_micro_batch 2 and 3 (uneven)."""
+def start_brainpy_suite(n: int) -> None:
+  """BrainPy's BPTT test file with bp.BPTT switched to AccumBPTT at ``num_micro_batch=n``."""
   ini = pathlib.Path(tempfile.mkdtemp(prefix='brainpy_accum_ini_')) / 'pytest.ini'
   ini.write_text('[pytest]\n')  # keeps this project's pytest options (doctests, testpaths) out of BrainPy's file
   command = [sys.executable, '-m', 'pytest', '-q', '-c', str(ini), '--rootdir', str(ini.parent),
              '-p', 'no:cacheprovider', '-p', 'brainpy_switch', str(brainpy_test_file())]
-  for n in NUM_MICRO_BATCH_FOR_BRAINPY_SUITE:
-    _start(f'brainpy_suite_{n}', [command], env(BRAINPY_ACCUM_N=str(n), BRAINPY_ACCUM_REPORT='{out}/report.json'))
+  _start(f'brainpy_suite_{n}', [command], env(BRAINPY_ACCUM_N=str(n), BRAINPY_ACCUM_REPORT='{out}/report.json'))
 
 
 def finish(name: str, start, timeout: float = 900) -> Job:

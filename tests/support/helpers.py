@@ -54,11 +54,30 @@ class DictInputRNN(RateRNN):
 MODELS = {'rnn': RateRNN, 'snn': SpikingNet, 'dict_rnn': DictInputRNN}
 
 
+_BUILT = {}  # (name, seed, options) -> every Variable's value and the random key right after the first build
+
+
 def make_model(name, seed=0, **kwargs):
-  """The same initial parameters for every call with the same seed."""
+  """The same initial parameters for every call with the same seed.
+
+  The first call builds the model with BrainPy's jitted initialisers. Later calls build the same structure
+  without jit (no initialiser compiles again: most of a tiny model's set-up time) and take the first build's
+  values, bit for bit, and the random key that followed it, so every call returns the same model.
+  """
+  key = (name, seed, tuple(sorted(kwargs.items())))
   bm.random.seed(seed)
   with bm.training_environment():
-    return MODELS[name](**kwargs)
+    if key not in _BUILT:
+      model = MODELS[name](**kwargs)
+      _BUILT[key] = [v.value for v in model.vars().unique().values()], bm.random.DEFAULT.value
+      return model
+    with jax.disable_jit():
+      model = MODELS[name](**kwargs)
+  values, random_key = _BUILT[key]
+  for variable, value in zip(model.vars().unique().values(), values):
+    variable.value = value
+  bm.random.DEFAULT.value = random_key
+  return model
 
 
 def make_batches(sizes, num_time=5, n_in=3, n_out=2, seed=0, time_first=False, dict_inputs=False):
