@@ -28,13 +28,18 @@ def _worker(checkpoint, out) -> subprocess.Popen:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _interrupt(process: subprocess.Popen, signum: int, after: int, delay: float) -> str:
-  """Send ``signum`` once ``after`` batch lines were printed and ``delay`` seconds more passed."""
-  lines = []
+def _interrupt(process: subprocess.Popen, signum: int, after: int, fraction: float) -> str:
+  """Send ``signum`` once ``after`` batch lines were printed and ``fraction`` of one batch's time more passed.
+
+  The delay is measured in batches, not seconds, so the signal lands inside a step or a save however fast
+  the machine (or a warm compilation cache) makes the run."""
+  lines, times = [], []
   for line in process.stdout:
     lines.append(line)
-    if sum(text.startswith('batch') for text in lines) == after:
-      time.sleep(delay)
+    if line.startswith('batch'):
+      times.append(time.monotonic())
+    if len(times) == after:
+      time.sleep(fraction * (times[-1] - times[-2]))
       process.send_signal(signum)
       break
   rest, _ = process.communicate(timeout=300)
@@ -59,8 +64,8 @@ def uninterrupted(tmp_path_factory):
 def test_killed_run_resumes_to_the_uninterrupted_result(signame, uninterrupted, tmp_path):
   checkpoint, out = tmp_path / 'run.ckpt', tmp_path / 'resumed.npz'
   signum = getattr(signal, signame)
-  delay = np.random.RandomState(KILL_AFTER[signame]).uniform(0., 0.3)  # somewhere inside a step or a save
-  output = _interrupt(_worker(checkpoint, out), signum, KILL_AFTER[signame], delay)
+  fraction = np.random.RandomState(KILL_AFTER[signame]).uniform(0., 1.)  # somewhere inside a step or a save
+  output = _interrupt(_worker(checkpoint, out), signum, KILL_AFTER[signame], fraction)
   assert checkpoint.exists(), output
   assert not out.exists(), 'the worker was to be interrupted before it finished'
   assert not list(tmp_path.glob('run.ckpt.tmp-*')) or signame == 'SIGKILL', 'SIGTERM leaves no temporary file'
