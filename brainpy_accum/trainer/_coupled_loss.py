@@ -2,35 +2,121 @@
 
 Accumulating micro-batch gradients trains the weighted mean (``'sum'``: the sum) of the micro-batch losses.
 For a loss that couples the samples of a batch (a batch-wide regulariser, a maximum) that is another
-objective. One forward pass of the first batch, cut as training cuts it, gives both the whole batch's loss
-and the combination of the micro-batch losses, from the same predictions; if they differ, a warning says
-by how much and points to ``whole_batch_loss=True``. The check changes nothing and never stops training.
+objective. One forward pass of the first batch, cut as training cuts it, gives the whole batch's predictions
+and monitors; from them the check compares, touching ``loss_fun`` only (no model backward pass):
+
+- the loss of the whole batch with the combination of the micro-batch losses;
+- the gradient of the one with the gradient of the other with respect to the predictions and monitors,
+  at the real outputs and at random ones in their place. A coupling whose value vanishes on the first
+  batch (a spike-count penalty of a network that does not spike yet) still has a gradient there, and a
+  coupling whose gradient vanishes too (a squared spike count) has one at random outputs.
+
+If either differs, a warning says by how much and points to ``whole_batch_loss=True``. A loss that is a
+weighted mean (``'sum'``: a sum) of per-sample terms agrees everywhere, to float32 round-off. What it cannot
+see: a coupling through something other than the outputs (a loss that reads a Variable), or one that only
+shows at outputs unlike both points checked. The check changes nothing, never stops training, and is one
+compiled function.
 """
 
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import brainpy.math as bm
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from ..core._batch import is_array, take_samples
 from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import forward_pass
 
-__all__ = ['check_first_batch', 'check_loss', 'warn_coupled_loss', 'whole_and_combined_loss']
+__all__ = ['check_first_batch', 'check_loss', 'combined_loss', 'gradient_gaps', 'warn_coupled_gradient',
+           'warn_coupled_loss', 'whole_and_combined_loss']
 
 
 def whole_and_combined_loss(forward: Callable, loss_of: Callable, weigh: Callable, args: tuple, axes,
-                            plan: MicroBatchPlan, states, reduction: str):
-  """``(loss of the whole batch, combination of the micro-batch losses)`` from one forward pass.
+                            plan: MicroBatchPlan, states, reduction: str, names=None):
+  """``(loss of the whole batch, combination of the micro-batch losses, gradient gaps)`` from one forward pass.
 
   ``forward(micro_args, size)`` gives what ``loss_of(outputs, targets) -> (loss, aux)`` receives; ``args``
-  is ``(inputs, targets)``; ``states`` hold the whole batch.
+  is ``(inputs, targets)``; ``states`` hold the whole batch. The gaps are :func:`gradient_gaps`'; ``names``
+  (an object with a list ``names``), if given, receives the compared outputs' paths.
   """
   micro_loss = lambda outputs, micro_args: loss_of(outputs, micro_args[1])
-  sums, _ = forward_pass(forward, args, axes, plan, states, micro_loss, weigh)
-  return loss_of(sums.samples, args[1])[0], finish_values(sums.loss_sum, sums.total_weight, reduction)
+  sums, out_axes = forward_pass(forward, args, axes, plan, states, micro_loss, weigh)
+  whole = lambda outputs: bm.as_jax(loss_of(outputs, args[1])[0])
+  combined = combined_loss(loss_of, weigh, args, axes, out_axes, plan, reduction)
+  gaps = gradient_gaps(whole, combined, sums.samples, out_axes, None if names is None else names.names)
+  return whole(sums.samples), finish_values(sums.loss_sum, sums.total_weight, reduction), gaps
+
+
+def combined_loss(loss_of: Callable, weigh: Callable, args: tuple, axes, out_axes, plan: MicroBatchPlan,
+                  reduction: str) -> Callable:
+  """``outputs -> `` the weighted mean (``'sum'``: the sum) of ``loss_of`` on each micro-batch of ``outputs``:
+  the objective that accumulating micro-batch gradients trains, as a function of the whole batch's outputs."""
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+
+  def one(outputs, start, size):
+    out_leaves, out_def = jax.tree_util.tree_flatten(outputs)
+    micro_args = treedef.unflatten([x if a is None else take_samples(x, a, start, size) for x, a in zip(leaves, axes)])
+    micro_out = out_def.unflatten([o if a is None else take_samples(o, a, start, size)
+                                   for o, a in zip(out_leaves, out_axes)])
+    weight = jnp.asarray(weigh(micro_args, size), jnp.float32)
+    return weight * bm.as_jax(loss_of(micro_out, micro_args[1])[0]).astype(jnp.float32), weight
+
+  def combined(outputs):
+    def body(carry, index):
+      loss, weight = one(outputs, index * plan.micro_batch_size, plan.micro_batch_size)
+      return (carry[0] + loss, carry[1] + weight), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (total, weight), _ = jax.lax.scan(body, (zero, zero), jnp.arange(plan.num_full))
+    if plan.remainder:
+      loss, last = one(outputs, plan.num_full * plan.micro_batch_size, plan.remainder)
+      total, weight = total + loss, weight + last
+    return finish_values(total, weight, reduction)
+
+  return combined
+
+
+def gradient_gaps(whole: Callable, combined: Callable, outputs, out_axes, names: Optional[list] = None) -> jax.Array:
+  """How far apart the gradients of ``whole`` and ``combined`` are, with respect to each floating-point output
+  with a batch axis: ``|g_whole - g_combined| / (|g_whole| + |g_combined|)`` (norms over the leaf), at the
+  real ``outputs`` (row 0) and at random values in [0, 1) in their place (row 1); 0 where either gradient is
+  not finite (a loss undefined at random outputs) or both are 0. A mean over samples gives round-off only.
+  ``names``, if given, receives the compared outputs' paths."""
+  paths, treedef = jax.tree_util.tree_flatten_with_path(outputs)
+  leaves = [x for _, x in paths]
+  chosen = [i for i, (x, a) in enumerate(zip(leaves, out_axes))
+            if a is not None and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+  if names is not None:
+    names[:] = [jax.tree_util.keystr(paths[i][0]) for i in chosen]
+  if not chosen:
+    return jnp.zeros((2, 0), jnp.float32)
+
+  def at(values):
+    def of(f):
+      def g(picked):
+        full = list(leaves)
+        for i, v in zip(chosen, picked):
+          full[i] = v
+        return f(treedef.unflatten(full))
+      return jax.grad(g)(values)
+
+    gaps = []
+    for gw, gc in zip(of(whole), of(combined)):
+      gw, gc = jnp.ravel(gw).astype(jnp.float32), jnp.ravel(gc).astype(jnp.float32)
+      scale = jnp.linalg.norm(gw) + jnp.linalg.norm(gc)
+      gap = jnp.linalg.norm(gw - gc) / jnp.where(scale > 0, scale, 1.)
+      gaps.append(jnp.where(jnp.isfinite(gap), gap, 0.))
+    return jnp.stack(gaps)
+
+  real = [jnp.asarray(leaves[i]) for i in chosen]
+  keys = jax.random.split(jax.random.PRNGKey(0), len(chosen))
+  noise = [jax.random.uniform(k, x.shape, x.dtype) for k, x in zip(keys, real)]
+  return jnp.stack([at(real), at(noise)])
 
 
 def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, reduction: str) -> None:
@@ -38,15 +124,38 @@ def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, red
 
   A check that fails warns instead of raising: it must never stop training that would run without it.
   """
+  names = []  # the outputs whose gradients are compared, named while ``compare`` is traced
   with values_restored(variables):
     try:
-      whole, combined = compare()
+      whole, combined, gaps = compare(names)
     except Exception as error:
       warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
                     f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
                     UserWarning, stacklevel=5)  # fit's line
       return
-  warn_coupled_loss(float(whole), float(combined), plan, reduction)
+  if not warn_coupled_loss(float(whole), float(combined), plan, reduction):
+    warn_coupled_gradient(np.asarray(gaps), names, plan, reduction)
+
+
+def warn_coupled_gradient(gaps: np.ndarray, names: Sequence[str], plan: MicroBatchPlan, grad_reduction: str,
+                          rtol: float = 1e-3) -> bool:
+  """Warn if :func:`gradient_gaps` (rows: real and random outputs; columns: the outputs ``names``) shows a
+  gradient of the whole batch's loss that the micro-batch losses do not have. Returns whether it warned."""
+  if gaps.size == 0 or gaps.max() <= rtol:
+    return False
+  point = 0 if gaps[0].max() > rtol else 1  # the first batch's own outputs first
+  leaf = int(np.argmax(gaps[point]))
+  name = names[leaf] if leaf < len(names) else f'#{leaf}'
+  where = 'on the first batch' if point == 0 else 'at random outputs in place of the first batch\'s'
+  how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
+  warnings.warn(f'loss_fun couples the samples of a batch: its value on the whole batch equals the {how} of '
+                f'its values on the {plan.describe_cuts()} micro-batches, but its gradient with respect to the '
+                f'outputs{name} does not ({where}: relative difference {gaps[point, leaf]:.3g}), e.g. a penalty on the '
+                f'spike count summed over the batch while no neuron spikes yet. Accumulating micro-batch '
+                f'gradients would train that other objective. Pass whole_batch_loss=True to train the '
+                f'whole-batch loss exactly (about one extra forward pass), or make the loss a mean over samples.',
+                UserWarning, stacklevel=2)
+  return True
 
 
 def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str,
@@ -83,12 +192,19 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
   if plan.num_micro_batches == 1:
     return
 
-  def compare(shared_args, inputs, targets):
+  def compare(names, shared_args, inputs, targets):
     layout = check_batch(inputs, targets)
     axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
     with whole_batch_variables(model, layout.batch_size) as states:
       return whole_and_combined_loss(forward(shared_args), loss_of, weigh, (inputs, targets), axes, plan, states,
-                                     reduction)
+                                     reduction, names)
 
-  compare = bm.jit(compare, static_argnums=(0,)) if jit else compare
-  check_loss(lambda: compare(shared_args, inputs, targets), variables, plan, reduction)
+  compare = bm.jit(compare, static_argnums=(0, 1)) if jit else compare
+  check_loss(lambda names: compare(_Names(names), shared_args, inputs, targets), variables, plan, reduction)
+
+
+class _Names:
+  """A list to fill while tracing, hashable by identity, so that ``jit`` can take it as a static argument."""
+
+  def __init__(self, names: list):
+    self.names = names

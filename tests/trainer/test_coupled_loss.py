@@ -1,0 +1,83 @@
+"""The default mode's first-batch check sees a coupled loss by its gradient too, whatever its value there."""
+
+import warnings
+
+import brainpy as bp
+import brainpy.math as bm
+import numpy as np
+import pytest
+
+from brainpy_accum import AccumBPTT
+from helpers import make_batches, make_model
+
+SIZES = (10, 7)
+
+
+def spike_count_penalties(predicts, targets):
+  """Mean-squared error plus ``1e-5 * sum(spikes)`` and a squared spike count summed over the batch (the kind
+  of regulariser BrainPy's SNN tutorial adds): both 0 in value while no neuron spikes, not in gradient."""
+  out, mons = predicts
+  spikes = mons['spike']
+  return (bp.losses.mean_squared_error(out, targets) + 1e-5 * bm.sum(spikes)
+          + 1e-5 * bm.sum(bm.sum(spikes, axis=(0, 1)) ** 2))
+
+
+def squared_spike_count(predicts, targets):
+  """Only the squared count: its gradient is 0 too while no neuron spikes, so only random outputs show it."""
+  out, mons = predicts
+  return bp.losses.mean_squared_error(out, targets) + 1e-3 * bm.sum(bm.sum(mons['spike'], axis=(0, 1)) ** 2)
+
+
+def batch_normalised(predicts, targets):
+  """Errors of outputs standardised by the batch's own mean and spread."""
+  z = (predicts - bm.mean(predicts, axis=0)) / (bm.std(predicts, axis=0) + 1e-3)
+  return bm.mean((z - targets) ** 2)
+
+
+def _fit(loss, model='snn', drive=1., **kwargs):
+  net = make_model(model)
+  monitors = {'spike': net.lif.spike} if model == 'snn' else None
+  trainer = AccumBPTT(net, loss, num_micro_batch=3, monitors=monitors, progress_bar=False, **kwargs)
+  trainer.fit([(x * drive, y) for x, y in make_batches(SIZES)], num_epoch=1)
+  return trainer
+
+
+def _coupled(record):
+  return [str(w.message) for w in record if 'couples the samples' in str(w.message)]
+
+
+@pytest.mark.parametrize('loss, where', [(spike_count_penalties, 'on the first batch'),
+                                         (squared_spike_count, 'at random outputs')])
+def test_quiet_first_batch_warns_from_the_gradient(loss, where):
+  """No spike at all in the first batch (no input): the penalties are 0 on every micro-batch, as on the whole
+  batch, so values alone agree; the gradient with respect to the monitored spikes does not."""
+  with pytest.warns(UserWarning, match='couples the samples') as record:
+    _fit(loss, drive=0.)
+  (message,) = _coupled(record)
+  assert "its gradient with respect to the outputs[1]['spike'] does not" in message and where in message
+  assert 'whole_batch_loss=True' in message
+
+
+def test_loss_normalised_by_batch_statistics_warns():
+  with pytest.warns(UserWarning, match='couples the samples') as record:
+    _fit(batch_normalised, model='rnn')
+  assert len(_coupled(record)) == 1
+
+
+def _masked_mean(predicts, targets):
+  mask = (bm.arange(predicts.shape[1]) < 3)[None, :, None]
+  return bm.sum(((predicts - targets) ** 2) * mask) / (bm.sum(mask * bm.ones_like(predicts)))
+
+
+@pytest.mark.parametrize('loss, options', [
+  ('mean_squared_error', {}),
+  (_masked_mean, dict(loss_weight_fn=lambda x, y: np.float32(x.shape[0] * 3))),
+  (lambda p, t: bm.sum(bm.mean((p - t) ** 2, axis=(1, 2))), dict(grad_reduction='sum')),
+], ids=['per_sample_mean', 'masked_mean_with_loss_weight_fn', 'sum'])
+def test_losses_that_accumulate_exactly_stay_silent(loss, options):
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter('always')
+    _fit(loss, model='rnn', **options)
+    per_sample = bp.losses.mean_squared_error if isinstance(loss, str) else loss
+    _fit(lambda p, t: per_sample(p[0], t), model='snn', drive=0., **options)  # spikes monitored, not in the loss
+  assert not _coupled(record) and not [w for w in record if 'Could not check' in str(w.message)]
