@@ -65,7 +65,6 @@ def pytest_collection_finish(session):
   pytest-xdist each worker collects every test, so the tests start their subprocesses when they run)."""
   if os.environ.get('PYTEST_XDIST_WORKER'):
     return
-  import background
   names = {item.name for item in session.items}
   if 'test_on_eight_simulated_devices' in names:
     background.start_eight_devices()
