@@ -16,7 +16,8 @@ from jax.sharding import Mesh, PartitionSpec
 from ._batch import is_array, put_samples, take_samples
 from ._combine import (add_scaled, check_grad_reduction, check_loss_weight_fn, finish_grads, finish_values, sum_values,
                        wide_zeros_like)
-from ._cut import MicroBatchPlan, check_cut, plan_micro_batches
+from ._cut import MicroBatchPlan, as_int, check_cut, is_int, plan_micro_batches
+from ._metrics import MetricPlan, join_metrics, split_metrics, stacked_partials, stitched_axes
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
 
@@ -33,23 +34,35 @@ class MicroResult(NamedTuple):
 
 
 class Sums(NamedTuple):
-  """Weighted sums over the micro-batches of one batch, before division; ``samples`` stitched to the batch."""
+  """Weighted sums over the micro-batches of one batch, before division; ``samples`` stitched to the batch.
+
+  With a :class:`~brainpy_accum.core._metrics.MetricPlan`, ``aux_sum`` holds each metric's partial combination
+  (stitched leaves whole) and ``count`` the samples, for means by sample count.
+  """
   grad_sum: Any
   total_weight: Any
   loss_sum: Any
   aux_sum: Any
   samples: Any
+  count: Any = None
 
 
 def _axes_like(tree, axis):
   return jax.tree_util.tree_map(lambda _: axis, tree, is_leaf=is_array)
 
 
-def _one_batch(micro_fn, args, plan: MicroBatchPlan, grads_like) -> Sums:
+def _one_batch(micro_fn, args, plan: MicroBatchPlan, grads_like, metrics: Optional[MetricPlan]) -> Sums:
   out = micro_fn(args, plan.batch_size)
   grad_sum = None if grads_like is None else add_scaled(wide_zeros_like(grads_like), out.weight, out.grads)
-  values = jax.tree_util.tree_map(lambda v: v[None], (out.loss, out.aux))
-  return Sums(grad_sum, out.weight, *sum_values(values, out.weight[None], 'mean'), out.samples)
+  if metrics is None:
+    values = jax.tree_util.tree_map(lambda v: v[None], (out.loss, out.aux))
+    return Sums(grad_sum, out.weight, *sum_values(values, out.weight[None], 'mean'), out.samples)
+  (loss_sum,) = sum_values((out.loss[None],), out.weight[None], 'mean')
+  reduced, stitched = split_metrics(out.aux, metrics.rules)
+  partial = stacked_partials([v[None] for v in reduced], metrics.rules, out.weight[None],
+                             jnp.full((1,), plan.batch_size, jnp.float32), metrics.mean_by_weight)
+  aux = join_metrics(jax.tree_util.tree_structure(out.aux), metrics.rules, partial, stitched)
+  return Sums(grad_sum, out.weight, loss_sum, aux, out.samples, jnp.asarray(plan.batch_size, jnp.float32))
 
 
 def _cut(leaves, treedef, axes, start, size: int):
@@ -79,7 +92,7 @@ def _full_only(_, run_full, run_short, *operands):
 
 def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], plan: MicroBatchPlan,
                states: Sequence = (), grads_like: Any = None, samples_like: Any = None,
-               sample_axes: Optional[Sequence[Optional[int]]] = None) -> Sums:
+               sample_axes: Optional[Sequence[Optional[int]]] = None, metrics: Optional[MetricPlan] = None) -> Sums:
   """Run ``micro_fn(micro_args, size) -> MicroResult`` on every micro-batch of ``plan``; return the weighted sums.
 
   ``axes``: the batch axis of each leaf of ``args`` (``None``: passed whole). ``states``: ``(State, axis)``
@@ -88,20 +101,28 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
   shapes that receive every micro-batch's ``samples``, the batch on axis 0 or, given ``sample_axes`` (a list,
   one entry per leaf), on those axes (``None``: the last micro-batch's value whole). One ``scan``; a short last
   micro-batch is a ``cond`` branch of it, so it shares the full micro-batches' working memory.
+  ``metrics``: how each metric leaf combines (``None``: all as weighted means, like the loss); per-sample
+  metrics are stitched into whole-batch buffers like ``samples``.
   """
   if plan.num_micro_batches == 1:
-    return _one_batch(micro_fn, args, plan, grads_like)
+    return _one_batch(micro_fn, args, plan, grads_like, metrics)
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
   state_axes = [_axes_like(s.value, a) for s, a in states]
   if sample_axes is None:
     sample_axes = [0] * len(jax.tree_util.tree_leaves(samples_like))
   size, num_full = plan.micro_batch_size, plan.num_full
+  aux_def = []  # the metrics' structure, seen while tracing
 
   def run(start, n, buffers):
     _enter(states, state_axes, buffers[0], start, n)
     out = micro_fn(_cut(leaves, treedef, axes, start, n), n)
     values = put_samples(buffers[0], state_axes, start, [s.value for s, _ in states])
-    return out._replace(samples=None), (values, _put(buffers[1], sample_axes, start, out.samples))
+    aux, stitched = out.aux, buffers[2]
+    aux_def[:] = [jax.tree_util.tree_structure(out.aux)]
+    if metrics is not None:  # per-sample metrics into their buffers; the rest leave the scan stacked
+      aux, pieces = split_metrics(out.aux, metrics.rules)
+      stitched = _put(stitched, stitched_axes(metrics.rules), start, pieces)
+    return out._replace(aux=aux, samples=None), (values, _put(buffers[1], sample_axes, start, out.samples), stitched)
 
   def run_full(index, buffers):
     return run(index * size, size, buffers)
@@ -118,14 +139,20 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
     grad_sum = None if grad_sum is None else add_scaled(grad_sum, out.weight, out.grads)
     return (grad_sum, buffers), (out.loss, out.aux, out.weight)
 
-  buffers = ([s.value for s, _ in states], jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), samples_like))
+  zeros = lambda like: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+  buffers = ([s.value for s, _ in states], zeros(samples_like), zeros([] if metrics is None else metrics.stitched_like))
   _enter(states, state_axes, buffers[0], 0, size)  # the scan carries the states at the micro-batch size
   init = (None if grads_like is None else wide_zeros_like(grads_like), buffers)
-  (grad_sum, (values, samples)), (losses, auxs, weights) = brainstate.transform.scan(
+  (grad_sum, (values, samples, stitched)), (losses, auxs, weights) = brainstate.transform.scan(
     body, init, jnp.arange(plan.num_micro_batches))
   for (state, _), value in zip(states, values):
     state.value = value
-  return Sums(grad_sum, weights.sum(), *sum_values((losses, auxs), weights, 'mean'), samples)
+  if metrics is None:
+    return Sums(grad_sum, weights.sum(), *sum_values((losses, auxs), weights, 'mean'), samples)
+  (loss_sum,) = sum_values((losses,), weights, 'mean')
+  partial = stacked_partials(auxs, metrics.rules, weights, jnp.asarray(plan.sizes, jnp.float32), metrics.mean_by_weight)
+  aux = join_metrics(aux_def[0], metrics.rules, partial, stitched)
+  return Sums(grad_sum, weights.sum(), loss_sum, aux, samples, jnp.asarray(plan.batch_size, jnp.float32))
 
 
 def _check_options(loss_fn, grad_states, num_micro_batch, micro_batch_size, grad_reduction, flags,
@@ -161,10 +188,10 @@ def _leaf_axes(args: tuple, batch_axis):
                  for _ in jax.tree_util.tree_leaves(part, is_leaf=is_array)]
     for (path, leaf), axis in zip(jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_array)[0], leaf_axes):
       name, ndim = f'args[{i}]{jax.tree_util.keystr(path)}', np.ndim(leaf)
-      if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int) or not -ndim <= axis < ndim):
+      if axis is not None and (not is_int(axis) or not -ndim <= axis < ndim):
         raise ValueError(f'{name} has shape {np.shape(leaf)}, which has no batch_axis {axis!r}. Set batch_axis to '
                          f'an axis it has, or to None for an argument that is not cut into micro-batches.')
-      axes.append(None if axis is None else axis % ndim)
+      axes.append(None if axis is None else int(axis) % ndim)
       if axis is not None:
         sizes[name] = np.shape(leaf)[axis]
   if len(set(sizes.values())) != 1:
@@ -329,6 +356,7 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   >>> bool(jnp.allclose(sharded['w'], whole['w'], rtol=1e-5))
   True
   """
+  num_micro_batch, micro_batch_size = as_int(num_micro_batch), as_int(micro_batch_size)
   _check_options(loss_fn, grad_states, num_micro_batch, micro_batch_size, grad_reduction,
                  {'has_aux': has_aux, 'return_value': return_value}, loss_weight_fn)
   mesh_axis = _check_mesh_option(mesh, mesh_axis)

@@ -2,18 +2,21 @@
 
 ``data_first_axis='B'`` puts the batch on axis 0 of every input leaf and
 ``'T'`` on axis 1 (time first), exactly as :class:`brainpy.BPTT` reads them.
-Targets follow the same convention; a target leaf with one dimension, or one
-whose preferred axis does not hold the batch while axis 0 does (class labels
-of shape ``(batch, n_class)`` with time-first inputs), is cut along axis 0.
+A target leaf is cut along the one of its axes 0 and 1 that has the batch's size
+(class labels of shape ``(batch, n_class)`` with time-first inputs: axis 0;
+``(time, batch, ...)`` targets: axis 1). When both have it (``n_class`` or ``T``
+equal to the batch size), the trainer decides from evidence, tracing the loss
+with each choice at two micro-batch sizes, or raises an error that names
+``target_batch_axis``; nothing is guessed.
 """
 
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional
 
 import brainpy.math as bm
 import jax
 import numpy as np
 
-__all__ = ['BatchLayout', 'batch_layout', 'is_array', 'take_samples', 'put_samples']
+__all__ = ['BatchLayout', 'ambiguous_targets_error', 'batch_layout', 'describe_leaf', 'is_array', 'take_samples', 'put_samples']
 
 
 def is_array(x) -> bool:
@@ -51,14 +54,19 @@ def _describe(kind: str, path) -> str:
   return kind + jax.tree_util.keystr(path)
 
 
+describe_leaf = _describe
+
+
 def _input_axes(inputs, data_first_axis: str):
   axis = 0 if data_first_axis == 'B' else 1
   sizes = {}
   for path, leaf in _leaves_with_paths(inputs):
     shape = _shape(leaf)
-    if len(shape) <= axis:
-      raise ValueError(f'{_describe("inputs", path)} has shape {shape}, which has no batch axis {axis} '
-                       f'for {data_first_axis=}. Inputs are (batch, time, ...) for "B" and (time, batch, ...) for "T".')
+    if len(shape) < 2:
+      raise ValueError(f'{_describe("inputs", path)} has shape {shape}, which has no time axis: inputs are '
+                       f'(batch, time, ...) with data_first_axis=\'B\' (the default) and (time, batch, ...) with '
+                       f'\'T\'. Add the time axis, e.g. x[:, None] for one time step of a (batch, features) '
+                       f'array.')
     sizes[_describe('inputs', path)] = shape[axis]
   if not sizes:
     raise ValueError('inputs hold no arrays: give each batch as (x, y) with x an array or a pytree of arrays.')
@@ -68,20 +76,31 @@ def _input_axes(inputs, data_first_axis: str):
   return jax.tree_util.tree_map(lambda _: axis, inputs, is_leaf=is_array), next(iter(sizes.values()))
 
 
-def _target_axis(path, shape, batch_size: int, preferred: int, forced: Optional[int]) -> int:
+def _target_candidates(path, shape, batch_size: int, preferred: int, forced: Optional[int]) -> List[int]:
+  """The axes of a target leaf that may hold the batch: ``forced``, else axes 0 and 1 of size ``batch_size``
+  (``preferred`` first); raises when none has that size."""
   if forced is not None:
-    candidates = (forced,)
+    candidates = [forced] if len(shape) > forced and shape[forced] == batch_size else []
   else:
-    candidates = (preferred, 0) if len(shape) > preferred else (0,)
-  for axis in candidates:
-    if len(shape) > axis and shape[axis] == batch_size:
-      return axis
-  raise ValueError(f'{_describe("targets", path)} has shape {shape}, but the inputs hold batch_size={batch_size} '
-                   f'samples and no target axis among {candidates} has that size. Give targets with the '
-                   f'same samples as the inputs, or set target_batch_axis to the axis that holds them.')
+    candidates = [a for a in dict.fromkeys((preferred, 0, 1)) if len(shape) > a and shape[a] == batch_size]
+  if not candidates:
+    looked = (forced,) if forced is not None else tuple(dict.fromkeys((preferred, 0, 1)))
+    raise ValueError(f'{_describe("targets", path)} has shape {shape}, but the inputs hold batch_size={batch_size} '
+                     f'samples and no target axis among {looked} has that size. Give targets with the '
+                     f'same samples as the inputs, or set target_batch_axis to the axis that holds them.')
+  return candidates
 
 
-def batch_layout(inputs, targets, data_first_axis: str, target_batch_axis: Optional[int] = None) -> BatchLayout:
+def ambiguous_targets_error(names, shapes, candidates, batch_size: int, why: str) -> ValueError:
+  """The error for target leaves whose batch axis cannot be told: it names ``target_batch_axis`` and the shapes."""
+  leaves = ', '.join(f'{n} of shape {s} (axes {c} have size {batch_size})' for n, s, c in zip(names, shapes, candidates))
+  return ValueError(f'The batch axis of {leaves} is ambiguous: {why}. Set target_batch_axis to the axis that '
+                    f'holds the samples (e.g. target_batch_axis=0 for (batch, ...) targets), or give targets whose '
+                    f'other axes differ from the batch size.')
+
+
+def batch_layout(inputs, targets, data_first_axis: str, target_batch_axis: Optional[int] = None,
+                 resolve: Optional[Callable] = None) -> BatchLayout:
   """Find and check the batch axis of every leaf of ``inputs`` and ``targets``.
 
   Parameters
@@ -92,6 +111,10 @@ def batch_layout(inputs, targets, data_first_axis: str, target_batch_axis: Optio
     Whether inputs are batch-first or time-first.
   target_batch_axis : int, optional
     Force the batch axis of every target leaf.
+  resolve : callable, optional
+    ``resolve(input_axes, batch_size, candidates) -> axes`` decides target leaves with two axes of the batch's
+    size (``candidates``: one list of axes per target leaf) from evidence, or raises. Without it such leaves
+    raise :func:`ambiguous_targets_error`.
 
   Returns
   -------
@@ -100,14 +123,25 @@ def batch_layout(inputs, targets, data_first_axis: str, target_batch_axis: Optio
   Raises
   ------
   ValueError
-    If a leaf has no batch axis, leaves disagree on the batch size, or the batch is empty.
+    If a leaf has no batch axis, leaves disagree on the batch size, the batch is empty, or a target's batch
+    axis is ambiguous.
   """
   input_axes, batch_size = _input_axes(inputs, data_first_axis)
   if batch_size == 0:
     raise ValueError('The batch is empty (batch size 0): drop empty batches from the training data.')
   preferred = 0 if data_first_axis == 'B' else 1
-  axes = [_target_axis(path, _shape(leaf), batch_size, preferred, target_batch_axis)
-          for path, leaf in _leaves_with_paths(targets)]
+  leaves = _leaves_with_paths(targets)
+  candidates = [_target_candidates(path, _shape(leaf), batch_size, preferred, target_batch_axis)
+                for path, leaf in leaves]
+  if any(len(c) > 1 for c in candidates):
+    if resolve is None:
+      ambiguous = [i for i, c in enumerate(candidates) if len(c) > 1]
+      raise ambiguous_targets_error([_describe('targets', leaves[i][0]) for i in ambiguous],
+                                    [_shape(leaves[i][1]) for i in ambiguous], [candidates[i] for i in ambiguous],
+                                    batch_size, 'two of its axes have the batch size')
+    axes = list(resolve(input_axes, batch_size, candidates))
+  else:
+    axes = [c[0] for c in candidates]
   treedef = jax.tree_util.tree_structure(targets, is_leaf=is_array)
   return BatchLayout(batch_size, input_axes, jax.tree_util.tree_unflatten(treedef, axes))
 

@@ -7,7 +7,9 @@ one compilation.
 
 from typing import NamedTuple, Optional, Tuple, Union
 
-__all__ = ['MicroBatchPlan', 'plan_micro_batches', 'check_cut', 'check_positive_int', 'describe_remat']
+import numpy as np
+
+__all__ = ['MicroBatchPlan', 'plan_micro_batches', 'as_int', 'check_cut', 'check_positive_int', 'describe_remat', 'is_int']
 
 
 class MicroBatchPlan(NamedTuple):
@@ -68,13 +70,23 @@ def describe_remat(remat: Union[bool, int, None]) -> str:
   return 'every sqrt(T) steps' if remat is True else f'every {remat} steps'
 
 
+def is_int(value) -> bool:
+  """A Python or NumPy integer (what array arithmetic gives), not a bool."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_int(value):
+  """``value`` as a Python ``int`` if it is a NumPy integer (hashable and static under ``jit``), else unchanged."""
+  return int(value) if is_int(value) else value
+
+
 def check_positive_int(name: str, value, fix: str) -> int:
-  """Return ``value`` if it is a positive ``int``; otherwise raise naming ``name``."""
-  if isinstance(value, bool) or not isinstance(value, int):
+  """Return ``value`` as an ``int`` if it is a positive (Python or NumPy) integer; otherwise raise naming ``name``."""
+  if not is_int(value):
     raise TypeError(f'{name}={value!r} must be a positive int ({type(value).__name__} given). {fix}')
   if value < 1:
     raise ValueError(f'{name}={value!r} must be a positive int. {fix}')
-  return value
+  return int(value)
 
 
 def check_cut(num_micro_batch, micro_batch_size) -> None:

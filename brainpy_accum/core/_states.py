@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._cut import is_int
+
 __all__ = ['all_samples', 'batched_variables', 'declared_batch_axes', 'whole_batch_variables', 'implicit_batch_axis', 'variable_batch_axis', 'batch_axis_of', 'batch_shapes', 'discover_states', 'is_state', 'loss_catching_new_states', 'named_states',
            'prepare_states', 'restore_values', 'values_of', 'values_restored', 'whole_batch']
 
@@ -46,9 +48,9 @@ def named_states(states):
   pairs = []
   for item in items:
     state, axis = item if isinstance(item, tuple) and len(item) == 2 else (item, getattr(item, 'batch_axis', None) or 0)
-    if not is_state(state) or isinstance(axis, bool) or not isinstance(axis, int):
+    if not is_state(state) or not is_int(axis):
       raise TypeError(f'states= holds {item!r:.60}: give a dict or list of States, or of (State, batch_axis) pairs.')
-    pairs.append((state, axis))
+    pairs.append((state, int(axis)))
   return pairs
 
 

@@ -13,20 +13,21 @@ for contrastive losses (Gao et al. 2021, arXiv:2101.06983):
    micro-batches is the whole batch's gradient.
 
 Memory: the whole batch's outputs plus one micro-batch's activations; compute: one extra forward pass.
-Outputs that do not carry the batch (e.g. a monitored parameter) are taken from the last micro-batch and
-treated as constants by the gradient.
+Outputs that do not carry the batch (e.g. a monitored parameter) are taken from the last micro-batch, and
+their gradient is pulled back through that micro-batch, so a loss term on a monitored parameter trains as
+in the whole-batch run.
 """
 
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import brainpy.math as bm
-import brainstate
 import jax
 import jax.numpy as jnp
 
 from ._accumulate import MicroResult, Sums, accumulate
-from ._batch import is_array, take_samples
 from ._cut import MicroBatchPlan
+from ._metrics import MetricPlan
+from ._shapes import second_sizes, traced_shapes
 from ._states import restore_values, values_of
 
 __all__ = ['Devices', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes', 'pull_back',
@@ -58,33 +59,13 @@ def whole_batch_like(shapes, axes: Sequence[Optional[int]], batch_size: int):
   return treedef.unflatten(whole)
 
 
-def traced_shapes(forward: Callable, args: tuple, axes, states: Sequence[Tuple[Any, int]], sizes):
-  """The shapes of ``forward(micro_args, n)`` for each ``n`` in ``sizes``: traced only, nothing changes.
-
-  ``states`` hold the whole batch's values; each trace starts from their first ``n`` samples.
-  """
-  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
-  values = [state.value for state, _ in states]
-
-  def at(n):
-    def run(*cut):
-      for (state, axis), value in zip(states, values):
-        state.value = take_samples(value, axis, 0, n)
-      return forward(treedef.unflatten(cut), n)
-
-    cut = [x if a is None else take_samples(x, a, 0, n) for x, a in zip(leaves, axes)]
-    traced = brainstate.transform.StatefulFunction(run, return_only_write=False)
-    traced.make_jaxpr(*cut)
-    return traced.get_out_shapes(*cut)[0]
-
-  return [at(n) for n in sizes]
-
-
 def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states, outputs_like,
-                    out_axes, micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None):
+                    out_axes, micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None,
+                    metrics: Optional[MetricPlan] = None):
   """Pass 1: every micro-batch forward, without gradients; returns the core's ``Sums`` whose ``samples`` are
   the whole batch's outputs. With ``micro_loss(outputs, micro_args) -> (loss, aux)`` and ``weigh``, the
-  sums also hold each micro-batch's own loss and metrics (weighted), for the default mode's check."""
+  sums also hold each micro-batch's own loss and metrics (weighted; ``metrics``: each by its rule), for the
+  default mode's check."""
 
   def micro_fn(micro_args, size):
     outputs = jax.lax.stop_gradient(forward(micro_args, size))
@@ -93,7 +74,7 @@ def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, 
     loss, aux = micro_loss(outputs, micro_args)
     return MicroResult(None, loss, aux, weigh(micro_args, size), outputs)
 
-  return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes)
+  return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes, metrics)
 
 
 def loss_and_cotangents(loss_of: Callable, outputs) -> Tuple[Any, Any, Any]:
@@ -104,40 +85,52 @@ def loss_and_cotangents(loss_of: Callable, outputs) -> Tuple[Any, Any, Any]:
 
 
 def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroBatchPlan, states, cotangents,
-              out_axes, grads_like):
+              out_axes, grads_like, whole_share: float = 1.):
   """Pass 2: every micro-batch forward and backward, pulling back its slice of ``cotangents``.
 
   ``grad(fn)(micro_args) -> grads`` differentiates the scalar ``fn(micro_args)`` with respect to the
-  parameters. Returns the summed gradient (accumulator precision), the whole batch's.
+  parameters. Outputs without a batch axis (a monitored parameter, ...) are the last micro-batch's in pass 1,
+  so their cotangent is pulled back through the last micro-batch only (times ``whole_share``: ``1 / D`` when
+  each of D devices pulls it back). Returns the summed gradient (accumulator precision), the whole batch's.
   """
   cot_leaves, cot_def = jax.tree_util.tree_flatten(cotangents)
-  kept = [c if a is not None else jnp.zeros_like(c) for c, a in zip(cot_leaves, out_axes)]
+  whole = [a is None for a in out_axes]
+  last = jnp.zeros((plan.batch_size,), jnp.float32).at[-1].set(1.)  # marks the last micro-batch's samples
 
   def pulled(micro_args, size):
-    *model_args, micro_cot = micro_args
+    *model_args, micro_cot, marks = micro_args
     outputs = jax.tree_util.tree_leaves(forward(tuple(model_args), size))
-    return sum(jnp.vdot(o, c.astype(o.dtype)).real for o, c in zip(outputs, jax.tree_util.tree_leaves(micro_cot)))
+    scale = whole_share * marks.sum()  # 1 in the last micro-batch, 0 before it
+    return sum(jnp.vdot(o, (c * scale if w else c).astype(o.dtype)).real
+               for o, c, w in zip(outputs, jax.tree_util.tree_leaves(micro_cot), whole)
+               if jnp.issubdtype(jnp.asarray(o).dtype, jnp.inexact)) + jnp.zeros((), jnp.float32)
 
   def micro_fn(micro_args, size):
     grads = grad(lambda *a: pulled(a, size))(*micro_args)
     one = jnp.ones((), jnp.float32)
     return MicroResult(grads, jnp.zeros((), jnp.float32), {}, one)
 
-  sums = accumulate(micro_fn, tuple(args) + (cot_def.unflatten(kept),), list(axes) + list(out_axes), plan, states,
-                    grads_like)
+  sums = accumulate(micro_fn, tuple(args) + (cot_def.unflatten(cot_leaves), last), list(axes) + list(out_axes) + [0],
+                    plan, states, grads_like)
   return sums.grad_sum
 
 
 def forward_pass(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states,
-                 micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None):
+                 micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None,
+                 metrics_of: Optional[Callable] = None):
   """Pass 1 from the ``states``' whole-batch values, the outputs' batch axes traced first.
 
-  Returns :func:`forward_outputs`' sums (``samples``: the whole batch's outputs) and the outputs' batch axes.
+  Returns :func:`forward_outputs`' sums (``samples``: the whole batch's outputs) and the outputs' batch axes;
+  with ``metrics_of(small, large, sizes) -> MetricPlan`` (the outputs' shapes at two micro-batch sizes), also
+  the metrics' plan, which the sums follow.
   """
-  small, large = traced_shapes(forward, args, axes, states, second_sizes(plan))
+  sizes = second_sizes(plan)
+  small, large = traced_shapes(forward, args, axes, states, sizes)
   out_axes = output_axes(small, large)
   outputs_like = whole_batch_like(small, out_axes, plan.batch_size)
-  return forward_outputs(forward, args, axes, plan, states, outputs_like, out_axes, micro_loss, weigh), out_axes
+  metrics = None if metrics_of is None else metrics_of(small, large, sizes)
+  sums = forward_outputs(forward, args, axes, plan, states, outputs_like, out_axes, micro_loss, weigh, metrics)
+  return (sums, out_axes) if metrics_of is None else (sums, out_axes, metrics)
 
 
 class Devices(NamedTuple):
@@ -170,14 +163,15 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   The result is already the whole batch's (weight ``1``): its gradient, loss and metrics. With ``devices``
   (inside ``shard_map``, ``args`` this device's share) the outputs are gathered, every device evaluates the
   loss of the whole batch, pulls back its own share of the loss gradient, and returns weight ``1 / D``, so
-  that the one sum over devices that follows gives the whole batch's gradient, loss and metrics.
+  that the one sum over devices that follows gives the whole batch's gradient and loss; the metrics are the
+  whole batch's on every device, taken as they are.
   """
   before = values_of(replayed)
   sums, out_axes = forward_pass(forward, args, axes, plan, states)
   outputs = sums.samples if devices is None else gather_outputs(sums.samples, out_axes, devices)
   loss, aux, cotangents = loss_and_cotangents(loss_of, outputs)
   weight = 1. if devices is None else 1. / devices.count
-  loss, aux = jax.tree_util.tree_map(lambda v: v * weight, (loss, aux)) if devices is not None else (loss, aux)
+  loss = loss * weight if devices is not None else loss  # the metrics stay the whole batch's, equal on every device
   if params is None:
     return Sums(None, weight, loss, aux, None)
   restore_values(replayed, before)  # pass 2 starts where pass 1 started: same states, same random keys
@@ -185,11 +179,5 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
     cotangents = own_share(cotangents, out_axes, plan.batch_size, devices)
   grad = lambda f: lambda *a: {k: bm.as_jax(g) for k, g in bm.grad(f, grad_vars=params)(*a).items()}
   grads = pull_back(forward, grad, args, axes, plan, states, cotangents, out_axes,
-                    {k: v.value for k, v in params.items()})
+                    {k: v.value for k, v in params.items()}, 1. if devices is None else 1. / devices.count)
   return Sums(grads, weight, loss, aux, None)
-
-
-def second_sizes(plan: MicroBatchPlan) -> Tuple[int, int]:
-  """Two different micro-batch sizes to trace the outputs at, so that their batch axes show."""
-  size = plan.micro_batch_size
-  return size, (plan.remainder if plan.remainder else (size - 1 if size > 1 else 2))

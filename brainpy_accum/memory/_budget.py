@@ -11,6 +11,8 @@ whose compiled step fits the budget. The memory of a compiled step is
 import re
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
+from ..core._cut import is_int
+
 __all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes',
            'largest_fitting', 'choose_micro_batch_size']
 
@@ -27,10 +29,10 @@ def parse_memory(value: Union[int, str]) -> int:
   >>> parse_memory('2GiB'), parse_memory('512 MiB'), parse_memory(1000)
   (2147483648, 536870912, 1000)
   """
-  if isinstance(value, bool) or not isinstance(value, (int, str)):
+  if not is_int(value) and not isinstance(value, str):
     raise TypeError(f"memory_budget={value!r} must be bytes (int) or a string like '512MiB' or '2GiB'.")
-  if isinstance(value, int):
-    number, unit = value, ''
+  if is_int(value):
+    number, unit = int(value), ''
   else:
     match = re.fullmatch(r'\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*', value)
     if match is None or match.group(2).upper() not in _UNITS:

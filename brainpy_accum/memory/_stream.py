@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from ..core._batch import is_array
+from ..core._metrics import combine_on_host
 
 __all__ = ['chunk_candidates', 'chunk_sizes', 'host_chunk', 'combine']
 
@@ -58,15 +59,22 @@ def host_chunk(tree, axes, start: int, size: int):
   return jax.tree_util.tree_map(take, tree, axes, is_leaf=is_array)
 
 
-def combine(results: Sequence[Tuple[Any, dict]], weights: Optional[Sequence[float]], reduction: str):
+def combine(results: Sequence[Tuple[Any, dict]], weights: Optional[Sequence[float]], reduction: str,
+            metrics=None, counts: Optional[Sequence[int]] = None):
   """The batch's ``(loss, aux)`` from its chunks': weighted means (``'mean'``; ``weights`` are the chunks'
-  sample counts or ``loss_weight_fn`` values) or sums (``'sum'``)."""
+  sample counts or ``loss_weight_fn`` values) or sums (``'sum'``). ``metrics`` (a
+  :class:`~brainpy_accum.core._metrics.MetricPlan`), given, combines each metric by its rule (per-sample
+  metrics concatenated; ``counts``: the chunks' sample counts)."""
   if reduction == 'sum':
     scale = [1.] * len(results)
   else:
     total = float(np.sum(weights))
     scale = [float(w) / total for w in weights]
   loss = sum(s * np.asarray(r[0], np.float64) for s, r in zip(scale, results))
-  aux = {k: sum(s * np.asarray(r[1][k], np.float64) for s, r in zip(scale, results)) for k in results[0][1]}
   dtype = np.asarray(results[0][0]).dtype
+  if metrics is not None:
+    aux = combine_on_host([r[1] for r in results], weights if reduction == 'mean' else [1.] * len(results),
+                          counts, metrics.rules, metrics.mean_by_weight)
+    return np.asarray(loss, dtype), aux
+  aux = {k: sum(s * np.asarray(r[1][k], np.float64) for s, r in zip(scale, results)) for k in results[0][1]}
   return np.asarray(loss, dtype), {k: np.asarray(v, np.asarray(results[0][1][k]).dtype) for k, v in aux.items()}

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Uni
 
 import brainpy as bp
 import brainpy.math as bm
+import brainstate
 import jax
 import jax.numpy as jnp
 from brainpy import tools
@@ -26,9 +27,11 @@ from brainpy.running import constants as c
 from ..checkpoint._save_load import load as load_checkpoint
 from ..checkpoint._save_load import save as save_checkpoint
 from ..core._combine import same_type
-from ..core._cut import MicroBatchPlan
+from ..core._cut import MicroBatchPlan, as_int
+from ..core._metrics import WHOLE_METRICS, MetricPlan, check_aux_reduction, metric_plan_of
 from ..core._mesh import auto_axes, check_mesh, place, random_states
-from ..core._states import whole_batch_variables
+from ..core._states import values_restored, whole_batch_variables
+from ..core._shapes import traced_shapes
 from ..core._two_pass import Devices, two_pass_sums
 from ..diagnostics._compiles import Compilations
 from ..memory._budget import compiled_step_bytes, parse_memory
@@ -169,6 +172,18 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     ``accumulate_steps > 1`` (the loss of several batches together is not
     known from their separate losses), ``grad_reduction='sum'`` or
     ``loss_weight_fn`` (the loss itself normalises).
+  aux_reduction : dict, optional
+    With ``loss_has_aux=True``: how scalar metrics that are not means over
+    samples combine over micro-batches (and devices, and streamed chunks),
+    by metric name: ``'mean'``, ``'sum'`` (counts; integer dtypes kept),
+    ``'max'`` or ``'min'``, e.g. ``{'max_rate': 'max', 'n_correct': 'sum'}``.
+    Undeclared scalar metrics combine like the loss (weighted mean; a sum
+    with ``grad_reduction='sum'``). Per-sample metrics, arrays whose shape
+    holds the batch (``(B,)``, ``(B, T)``, ``(T, B, ...)``), need no
+    declaration: they are stitched along their batch axis into the whole
+    batch's array, as :class:`brainpy.BPTT` records them. At the first batch
+    :meth:`fit` checks that each scalar metric of the whole batch equals its
+    combination and warns, naming the metric, if it does not.
   **kwargs
     Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
     ``jit``, ``data_first_axis``, ``progress_bar``, ...).
@@ -219,8 +234,11 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
       mesh: Optional[Mesh] = None,
       mesh_axis: Optional[str] = None,
       whole_batch_loss: bool = False,
+      aux_reduction: Optional[Dict[str, str]] = None,
       **kwargs,
   ):
+    num_micro_batch, micro_batch_size, target_batch_axis, remat = map(  # NumPy integers work as ints
+      as_int, (num_micro_batch, micro_batch_size, target_batch_axis, remat))
     self.mesh_axis = check_mesh(mesh, mesh_axis)
     if remat == 'auto' and mesh is not None:
       raise ValueError("remat='auto' is not supported with a mesh (its trial steps run unsharded): choose remat=True "
@@ -232,7 +250,13 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     check_remat(remat, num_micro_batch, memory_budget)
     check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite)
     self.accumulate_steps = check_accumulate_steps(accumulate_steps)
+    self.aux_reduction = check_aux_reduction(aux_reduction)
+    if self.aux_reduction and not kwargs.get('loss_has_aux', False):
+      raise ValueError(f'{aux_reduction=} declares how metrics combine, but there are none without '
+                       f'loss_has_aux=True (loss_fun returning (loss, dict of metrics)). Pass loss_has_aux=True or '
+                       f'drop aux_reduction.')
     super().__init__(target, loss_fun, optimizer=optimizer, **kwargs)
+    self._metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
     self.num_micro_batch, self.micro_batch_size, self.grad_reduction = num_micro_batch, micro_batch_size, grad_reduction
     self.target_batch_axis, self.remat, self.loss_weight_fn = target_batch_axis, remat, loss_weight_fn
     self.memory_budget = None if memory_budget is None else parse_memory(memory_budget)
@@ -339,7 +363,8 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
                          check_loss_once=self._check_loss_once,
                          replan_finer=functools.partial(self._replan_finer, rebuild=self._jit_steps),
                          note_compilations=self._note_compilations, step=self._step_of,
-                         without_time_step_bars=self._without_time_step_bars, window=self._window)
+                         without_time_step_bars=self._without_time_step_bars, window=self._window,
+                         metric_plan=lambda: self._metric_rules)
     run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
 
@@ -348,11 +373,18 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     if self._loss_checked:
       return
     self._loss_checked = True
+    layout = self._check_batch(inputs, targets)
+    plan = self.plan_for(layout.batch_size)
+    if plan.num_micro_batches > 1:  # a model that fails on a micro-batch: the error that names the fix, first
+      with whole_batch_variables(self.target, layout.batch_size) as states, values_restored([var for var, _ in states]):
+        self._check_flat_states(shared_args, (inputs, targets), jax.tree_util.tree_leaves(
+          (layout.input_axes, layout.target_axes)), plan, states, layout.batch_size)
     variables = list(self.vars().unique().values()) + random_states(self.target)
     with self._without_time_step_bars():
       check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
                         plan_for=self.plan_for, forward=self._forward, loss_of=self._loss_of, weigh=self._weigh,
-                        variables=variables, jit=self.jit[c.FIT_PHASE], reduction=self.grad_reduction)
+                        variables=variables, jit=self.jit[c.FIT_PHASE], reduction=self.grad_reduction,
+                        declared=self.aux_reduction)
 
   # ------------------------------------------------------------------ placement, plans, checkpoints
 
@@ -576,17 +608,49 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     micro_fn = micro_step(self._loss_and_aux, shared_args, params, self._weigh)
     two_passes = self._two_passes(shared_args, targets, params) if self.whole_batch_loss else None
     axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
-    with whole_batch_variables(self.target, layout.batch_size, whole=not (alone and plan.num_micro_batches == 1)) as states, \
+    one_piece = alone and plan.num_micro_batches == 1
+    with whole_batch_variables(self.target, layout.batch_size, whole=not one_piece) as states, \
          self._tracing(plan):  # remat='auto': this plan's remat in the traced time loop
+      if not one_piece:
+        self._check_flat_states(shared_args, (inputs, targets), axes, plan, states, layout.batch_size)
+      whole = one_piece or (two_passes is not None and (plan.num_micro_batches > 1 or not alone))
+      metrics = WHOLE_METRICS if whole else self._metric_plan(shared_args, (inputs, targets), axes, plan, states)
       sums_of = functools.partial(batch_sums, micro_fn, axes=axes, plan=plan, states=states, params=params,
-                                  alone=alone, two_passes=two_passes)
+                                  alone=alone, two_passes=two_passes, metrics=metrics)
       finish = functools.partial(settle, reduction=self.grad_reduction, skip_nonfinite=self.skip_nonfinite and
-                                 with_grads, window=window, update=update)
+                                 with_grads, window=window, update=update, metrics=metrics)
       if self.mesh is None:
         return finish(sums_of((inputs, targets)), same)
       specs = dict(self._split_variables(window, layout.batch_size))
       return on_mesh(sums_of, finish, self.mesh, self.mesh_axis, (inputs, targets), axes, specs,
                      random_states(self.target))
+
+  def _check_flat_states(self, shared_args, args, axes, plan: MicroBatchPlan, states, batch_size: int) -> None:
+    """One-dimensional ``(batch_size,)`` states without a ``batch_axis`` are never cut (a per-neuron statistic
+    may have the batch's size); if the model fails on a micro-batch with them, say which and how to fix it,
+    instead of JAX's shape error from inside the model (traced only: nothing runs)."""
+    flat = [name for name, var in self.target.vars().unique().items()
+            if not isinstance(var, (bm.TrainVar, brainstate.random.RandomState))
+            and getattr(var, 'batch_axis', None) is None and jnp.shape(var.value) == (batch_size,)]
+    if not flat or batch_size < 2:
+      return
+    try:
+      traced_shapes(self._forward(shared_args), args, axes, states, (plan.micro_batch_size,))
+    except Exception as error:
+      raise ValueError(f'Model state {", ".join(flat)} of shape ({batch_size},) has no batch_axis, so micro-batches '
+                       f'do not cut it (one-dimensional states are never cut: a per-neuron statistic may have the '
+                       f'batch\'s size), and the model fails on a micro-batch of {plan.micro_batch_size} samples with '
+                       f'it ({type(error).__name__}: {str(error)[:160]}). If it holds one value per sample, declare '
+                       f'it with batch_axis=0 (bm.Variable(..., batch_axis=0)).') from None
+
+  def _metric_plan(self, shared_args, args, axes, plan: MicroBatchPlan, states) -> MetricPlan:
+    """How each metric of ``loss_fun`` combines over ``plan``'s micro-batches (:mod:`~brainpy_accum.core._metrics`):
+    from the metrics' shapes at two micro-batch sizes, traced only (nothing runs, nothing changes)."""
+    if not self.loss_has_aux:
+      return None
+    self._metric_rules = metric_plan_of(lambda micro_args, n: self._loss_and_aux(shared_args, *micro_args)[1],
+                                        args, axes, plan, states, self.aux_reduction, self.grad_reduction)
+    return self._metric_rules
 
   def _two_passes(self, shared_args, targets, params):
     """``whole_batch_loss=True``: the core's two passes (:mod:`~brainpy_accum.core._two_pass`) as

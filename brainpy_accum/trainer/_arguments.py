@@ -3,9 +3,11 @@
 import math
 import warnings
 
+import numpy as np
+
 
 from ..core._combine import check_grad_reduction, check_loss_weight_fn
-from ..core._cut import check_cut, check_positive_int
+from ..core._cut import check_cut, check_positive_int, is_int
 from ..memory._budget import parse_memory
 from ._errors import BareBatchError, RemovedArgumentError, ReportCallbackError
 
@@ -29,7 +31,7 @@ def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, t
     check_cut(num_micro_batch, micro_batch_size)
   check_grad_reduction(grad_reduction)
   if target_batch_axis is not None:
-    if isinstance(target_batch_axis, bool) or not isinstance(target_batch_axis, int) or target_batch_axis < 0:
+    if not is_int(target_batch_axis) or target_batch_axis < 0:
       raise ValueError(f'{target_batch_axis=} must be None (follow data_first_axis) or a non-negative int.')
 
 
@@ -52,7 +54,7 @@ def check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfi
   """Validate ``loss_weight_fn``, ``clip_grad_norm`` and ``skip_nonfinite``."""
   check_loss_weight_fn(loss_weight_fn, grad_reduction, 'loss_weight_fn(inputs, targets)')
   if clip_grad_norm is not None:
-    if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)):
+    if isinstance(clip_grad_norm, (bool, np.bool_)) or not isinstance(clip_grad_norm, (int, float, np.integer, np.floating)):
       raise TypeError(f'{clip_grad_norm=} must be a positive number (the maximal global L2 norm) or None.')
     if not math.isfinite(clip_grad_norm) or clip_grad_norm <= 0:
       raise ValueError(f'{clip_grad_norm=} must be a positive, finite number, e.g. clip_grad_norm=1.0.')
@@ -94,9 +96,9 @@ def check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_s
     raise RemovedArgumentError(f'fit({batch_size=}) is no longer supported (neither by bp.BPTT): give the data as '
                                f'an iterable of (inputs, targets) batches of the size you want, e.g. '
                                f'[(X[i:i + {batch_size}], Y[i:i + {batch_size}]) for i in range(0, len(X), {batch_size})].')
-  if isinstance(num_epoch, bool) or not isinstance(num_epoch, int) or num_epoch < 0:
+  if not is_int(num_epoch) or num_epoch < 0:
     raise ValueError(f'{num_epoch=} must be a non-negative int.')
-  if isinstance(num_report, bool) or not isinstance(num_report, int):
+  if not is_int(num_report):
     raise TypeError(f'{num_report=} must be an int: -1 reports once per epoch, k > 0 every k steps.')
   if not isinstance(reset_state, bool):
     raise TypeError(f'{reset_state=} must be True or False.')

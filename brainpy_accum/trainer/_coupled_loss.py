@@ -18,6 +18,7 @@ shows at outputs unlike both points checked. The check changes nothing, never st
 compiled function.
 """
 
+import functools
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -29,6 +30,8 @@ import numpy as np
 from ..core._batch import is_array, take_samples
 from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan, plan_micro_batches
+from ..core._metrics import MetricsError, MetricPlan, finish_metrics, metric_name, plan_from_shapes
+from ..core._shapes import first_samples
 from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import forward_pass
 
@@ -37,19 +40,46 @@ __all__ = ['check_first_batch', 'check_loss', 'combined_loss', 'gradient_gaps', 
 
 
 def whole_and_combined_loss(forward: Callable, loss_of: Callable, weigh: Callable, args: tuple, axes,
-                            plan: MicroBatchPlan, states, reduction: str, names=None):
-  """``(loss of the whole batch, combination of the micro-batch losses, gradient gaps)`` from one forward pass.
+                            plan: MicroBatchPlan, states, reduction: str, names=None, declared=None):
+  """``(loss of the whole batch, combination of the micro-batch losses, gradient gaps, metrics)`` from one
+  forward pass.
 
   ``forward(micro_args, size)`` gives what ``loss_of(outputs, targets) -> (loss, aux)`` receives; ``args``
   is ``(inputs, targets)``; ``states`` hold the whole batch. The gaps are :func:`gradient_gaps`'; ``names``
-  (an object with a list ``names``), if given, receives the compared outputs' paths.
+  (an object with lists ``names`` and ``metrics``), if given, receives the compared outputs' and metrics'
+  paths. ``metrics``: the whole batch's scalar metrics and their combinations over the micro-batches (by
+  ``declared``, the ``aux_reduction``), two lists.
   """
   micro_loss = lambda outputs, micro_args: loss_of(outputs, micro_args[1])
-  sums, out_axes = forward_pass(forward, args, axes, plan, states, micro_loss, weigh)
+  metrics_of = functools.partial(_metric_plan, loss_of, args, axes, declared or {}, reduction, plan.batch_size)
+  sums, out_axes, metrics = forward_pass(forward, args, axes, plan, states, micro_loss, weigh, metrics_of)
   whole = lambda outputs: bm.as_jax(loss_of(outputs, args[1])[0])
   combined = combined_loss(loss_of, weigh, args, axes, out_axes, plan, reduction)
   gaps = gradient_gaps(whole, combined, sums.samples, out_axes, None if names is None else names.names)
-  return whole(sums.samples), finish_values(sums.loss_sum, sums.total_weight, reduction), gaps
+  whole_loss, whole_aux = loss_of(sums.samples, args[1])  # one evaluation gives the loss and the metrics
+  combined_aux = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count, metrics.mean_by_weight)
+  paths = jax.tree_util.tree_flatten_with_path(whole_aux)[0]
+  scalar = [i for i, rule in enumerate(metrics.rules) if rule.axis is None]
+  if names is not None:
+    names.metrics[:] = [(jax.tree_util.keystr(paths[i][0]), metric_name(paths[i][0]), metrics.rules[i].reduction)
+                        for i in scalar]
+  pick = lambda tree: [jax.tree_util.tree_leaves(tree)[i] for i in scalar]
+  return (bm.as_jax(whole_loss), finish_values(sums.loss_sum, sums.total_weight, reduction), gaps,
+          (pick(whole_aux), pick(combined_aux)))
+
+
+def _metric_plan(loss_of: Callable, args: tuple, axes, declared, reduction: str, batch_size: int, small, large,
+                 sizes) -> MetricPlan:
+  """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``: the loss
+  alone is traced (``jax.eval_shape``), not the model."""
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+
+  def metrics_at(outputs, n):
+    micro_args = treedef.unflatten([x if a is None else first_samples(x, a, n) for x, a in zip(leaves, axes)])
+    return jax.eval_shape(lambda o, t: loss_of(o, t)[1], outputs, micro_args[1])
+
+  return plan_from_shapes(metrics_at(small, sizes[0]), metrics_at(large, sizes[1]), sizes, declared, reduction,
+                          batch_size)
 
 
 def combined_loss(loss_of: Callable, weigh: Callable, args: tuple, axes, out_axes, plan: MicroBatchPlan,
@@ -124,17 +154,48 @@ def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, red
 
   A check that fails warns instead of raising: it must never stop training that would run without it.
   """
-  names = []  # the outputs whose gradients are compared, named while ``compare`` is traced
+  names = _Names()  # the outputs and metrics compared, named while ``compare`` is traced
   with values_restored(variables):
     try:
-      whole, combined, gaps = compare(names)
+      whole, combined, gaps, (whole_metrics, combined_metrics) = compare(names)
+    except MetricsError:  # the user's metrics need a fix: the step would raise it too, so say it now
+      raise
     except Exception as error:
       warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
                     f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
                     UserWarning, stacklevel=5)  # fit's line
       return
   if not warn_coupled_loss(float(whole), float(combined), plan, reduction):
-    warn_coupled_gradient(np.asarray(gaps), names, plan, reduction)
+    warn_coupled_gradient(np.asarray(gaps), names.names, plan, reduction)
+  warn_metrics(names.metrics, [np.asarray(v) for v in whole_metrics], [np.asarray(v) for v in combined_metrics],
+               plan)
+
+
+def warn_metrics(names: Sequence, whole: Sequence[np.ndarray], combined: Sequence[np.ndarray], plan: MicroBatchPlan,
+                 rtol: float = 1e-5, atol: float = 1e-6) -> list:
+  """Warn once for every scalar metric whose whole-batch value differs from its combination over the micro-batches.
+
+  ``names``: ``(path, name, reduction)`` of each metric. Returns the paths warned about.
+  """
+  warned = []
+  for (path, name, how), w, c in zip(names, whole, combined):
+    if w.shape == c.shape and np.allclose(w.astype(np.float64), c.astype(np.float64), rtol=rtol, atol=atol) \
+        and w.dtype == c.dtype:
+      continue
+    warned.append(path)
+    fix = {'mean': "'sum' for a count, 'max' or 'min' for an extreme", 'sum': "'mean' for a mean over samples"}.get(
+      how, "'mean' or 'sum'")
+    warnings.warn(f'The metric metrics{path} of loss_fun is {_show(w)} on the whole first batch, but its {how!r} over '
+                  f'the {plan.describe_cuts()} micro-batches is {_show(c)}: the recorded history would differ from '
+                  f'bp.BPTT\'s. Declare how it combines with aux_reduction={{{name!r}: ...}} ({fix}), make it a '
+                  f'per-sample array (stitched exactly) or a mean over samples, or pass whole_batch_loss=True to '
+                  f'compute the metrics on the whole batch.', UserWarning, stacklevel=2)
+  return warned
+
+
+def _show(value: np.ndarray) -> str:
+  text = np.array2string(value, precision=7, threshold=6) if value.ndim else f'{value.item():.7g}'
+  return f'{text} ({value.dtype})'
 
 
 def warn_coupled_gradient(gaps: np.ndarray, names: Sequence[str], plan: MicroBatchPlan, grad_reduction: str,
@@ -179,7 +240,7 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
 
 def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan_for: Callable,
                       forward: Callable, loss_of: Callable, weigh: Callable, variables: Sequence, jit: bool,
-                      reduction: str) -> None:
+                      reduction: str, declared: Optional[dict] = None) -> None:
   """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values.
 
   ``check_batch(inputs, targets) -> BatchLayout``; ``plan_for(batch_size)``: the batch's micro-batches;
@@ -197,14 +258,15 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
     axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
     with whole_batch_variables(model, layout.batch_size) as states:
       return whole_and_combined_loss(forward(shared_args), loss_of, weigh, (inputs, targets), axes, plan, states,
-                                     reduction, names)
+                                     reduction, names, declared)
 
   compare = bm.jit(compare, static_argnums=(0, 1)) if jit else compare
-  check_loss(lambda names: compare(_Names(names), shared_args, inputs, targets), variables, plan, reduction)
+  check_loss(lambda names: compare(names, shared_args, inputs, targets), variables, plan, reduction)
 
 
 class _Names:
-  """A list to fill while tracing, hashable by identity, so that ``jit`` can take it as a static argument."""
+  """Lists to fill while tracing (outputs, metrics), hashable by identity, so that ``jit`` can take them as a
+  static argument."""
 
-  def __init__(self, names: list):
-    self.names = names
+  def __init__(self):
+    self.names, self.metrics = [], []

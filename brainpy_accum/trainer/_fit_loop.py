@@ -41,6 +41,7 @@ class TrainerParts(NamedTuple):
   step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
   without_time_step_bars: Callable[[], ContextManager]  # tracing without per-time-step progress bars
   window: Any                                    # the accumulate_steps window (GradWindow) or None, for checkpoints
+  metric_plan: Callable[[], Any] = lambda: None  # () -> how the last traced step combined its metrics (MetricPlan)
 
 
 class LoopOptions(NamedTuple):
@@ -108,6 +109,7 @@ def fit(trainer, parts: TrainerParts, train_data, test_data, num_epoch: int, num
   everything else the loop calls comes in ``parts``.
   """
   check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size, shared_args)
+  num_epoch, num_report = int(num_epoch), int(num_report)  # NumPy integers too
   checkpoint_every = check_checkpoint_args(checkpoint, checkpoint_every)
   check_data('train_data', train_data)
   if test_data is not None:
@@ -250,7 +252,7 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       start += size
     for name, (var, axis) in states.items():
       var.value = whole[name]
-  return combine(results, weights, trainer.grad_reduction)
+  return combine(results, weights, trainer.grad_reduction, parts.metric_plan(), sizes)
 
 
 def _call_step(step: Callable, shared_args, inputs, targets):

@@ -80,7 +80,7 @@ class ModelLoss:
     if not isinstance(aux, dict):
       raise TypeError(f'With loss_has_aux=True the loss must return (loss, dict of metrics); '
                       f'its second item is a {type(aux).__name__}.')
-    return loss, aux
+    return loss, jax.tree_util.tree_map(bm.as_jax, aux, is_leaf=is_array)  # BrainPy arrays as JAX leaves
 
   def _weigh(self, micro_args, size: int):
     """A micro-batch's weight: its sample count (``'mean'``), ``loss_weight_fn``'s value, or 1 (``'sum'``)."""

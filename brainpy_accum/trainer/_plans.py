@@ -7,18 +7,23 @@ compiles, times or rebuilds it receives as arguments (:class:`Compilers`, ``rebu
 calls back into the trainer's steps.
 """
 
+import functools
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
+import jax
+import numpy as np
+from brainpy import tools
 from tqdm import tqdm
 
-from ..core._batch import BatchLayout, batch_layout
+from ..core._batch import BatchLayout, batch_layout, is_array
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import batch_spec, check_divisible, mesh_size, random_states
-from ..core._states import batched_variables, values_restored
+from ..core._states import batched_variables, declared_batch_axes, values_restored
 from ..memory._budget import choose_micro_batch_size, compiled_step_bytes, format_memory
 from ..memory._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ..memory._oom import finer_plan
 from ..memory._stream import chunk_candidates, host_chunk
+from ._target_axes import decide_target_axes, predict_shapes_of
 
 __all__ = ['Compilers', 'Planning']
 
@@ -247,6 +252,22 @@ class Planning:
     Traceback (most recent call last):
     ValueError: targets has shape (6, 5, 2), but the inputs hold batch_size=8 samples ...
     """
-    layout = batch_layout(inputs, targets, self.data_first_axis, self.target_batch_axis)
+    layout = batch_layout(inputs, targets, self.data_first_axis, self.target_batch_axis,
+                          resolve=functools.partial(self._decide_target_axes, inputs, targets))
     self._share_size(layout.batch_size)
     return layout
+
+  def _decide_target_axes(self, inputs, targets, input_axes, batch_size: int, candidates) -> List[int]:
+    """Target leaves with two axes of the batch's size: their batch axes from evidence
+    (:mod:`~brainpy_accum.trainer._target_axes`), decided once per batch shape."""
+    key = (jax.tree_util.tree_structure((inputs, targets), is_leaf=is_array),
+           tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves((inputs, targets), is_leaf=is_array)),
+           tuple(map(tuple, candidates)))
+    decided = self.__dict__.setdefault('_decided_target_axes', {})
+    if key not in decided:
+      states = batched_variables(self.target, batch_size)
+      shared_args = tools.DotDict({'fit': True})
+      with declared_batch_axes(states.values()), self._without_time_step_bars():
+        predict = predict_shapes_of(self._forward(shared_args), inputs, input_axes, list(states.values()))
+        decided[key] = decide_target_axes(predict, self._loss_of, targets, batch_size, candidates)
+    return decided[key]

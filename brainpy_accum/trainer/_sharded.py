@@ -35,7 +35,7 @@ def on_mesh(sums_of: Callable, settle: Callable, mesh: Mesh, axis: str, args: tu
   def local(*local_leaves):
     with per_device_random(random, axis):
       sums = sums_of(jax.tree_util.tree_unflatten(treedef, local_leaves))
-    return settle(sums, across)
+    return settle(sums, across, axis)
 
   run = brainstate.transform.shard_map(
     local, mesh, in_specs=tuple(batch_spec(a, axis) for a in arg_axes), out_specs=PartitionSpec(),

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from ..core._accumulate import MicroResult, Sums, accumulate
 from ..core._combine import finish_grads, finish_values
 from ..core._cut import MicroBatchPlan
+from ..core._metrics import MetricPlan, across_devices, finish_metrics, summed_leaves
 from ._update import all_finite
 
 __all__ = ['Settled', 'micro_step', 'batch_sums', 'settle', 'same']
@@ -67,40 +68,64 @@ def micro_step(loss_and_aux: Callable, shared_args, params: Optional[dict], weig
 
 
 def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: MicroBatchPlan, states: Sequence,
-               params: Optional[dict], alone: bool, two_passes: Optional[Callable] = None) -> Sums:
+               params: Optional[dict], alone: bool, two_passes: Optional[Callable] = None,
+               metrics: Optional[MetricPlan] = None) -> Sums:
   """The weighted sums of ``plan``'s micro-batches of ``args`` (this device's share), from the core.
 
   ``alone``: nothing else is added to this batch (no mesh, no window), so a batch in one piece is its own
   mean, weight ``1``: :class:`brainpy.BPTT`'s step, bit for bit. ``two_passes(args, axes, plan, states)``,
   given, runs a batch of several micro-batches instead (``whole_batch_loss=True``; also weight ``1``).
+  ``metrics``: how the metrics combine (:mod:`~brainpy_accum.core._metrics`); a batch in one piece and the two
+  passes give the whole batch's metrics as they are.
   """
   if plan.num_micro_batches == 1 and alone:
     out = micro_fn(args, plan.batch_size)
-    return Sums(out.grads, 1., out.loss, out.aux, None)
+    return Sums(out.grads, 1., out.loss, out.aux, None, 1.)
   if two_passes is not None and (plan.num_micro_batches > 1 or not alone):
     return two_passes(args, axes, plan, states)
   grads_like = None if params is None else {k: v.value for k, v in params.items()}
-  return accumulate(micro_fn, args, axes, plan, states, grads_like)
+  return accumulate(micro_fn, args, axes, plan, states, grads_like, metrics=metrics)
 
 
-def settle(sums: Sums, across: Callable, reduction: str, skip_nonfinite: bool, window=None,
-           update: bool = True) -> Settled:
-  """Add the devices' ``sums`` (``across``) and finish the batch, or put it in the ``window``.
+def _added(sums: Sums, across: Callable, metrics: Optional[MetricPlan], *more):
+  """``more`` and the batch's loss and metric sums, added over the devices in ONE ``across`` (one all-reduce)."""
+  if metrics is None:
+    return across((*more, sums.loss_sum, sums.aux_sum, None)), []
+  added = across((*more, sums.loss_sum, summed_leaves(sums.aux_sum, metrics.rules), sums.count))
+  return added, added[-2]
+
+
+def _metrics_of(sums: Sums, added, summed, total, mesh_axis: Optional[str], reduction: str,
+                metrics: Optional[MetricPlan]):
+  """The batch's loss and metrics, from :func:`_added`'s result (``metrics``: each leaf by its rule)."""
+  loss_sum, aux_sum, count = added[-3:]
+  if metrics is None:
+    return finish_values((loss_sum, aux_sum), total, reduction)
+  aux = across_devices(sums.aux_sum, metrics.rules, mesh_axis, summed)
+  return finish_values(loss_sum, total, reduction), finish_metrics(aux, metrics.rules, total, count,
+                                                                   metrics.mean_by_weight)
+
+
+def settle(sums: Sums, across: Callable, mesh_axis: Optional[str] = None, *, reduction: str, skip_nonfinite: bool,
+           window=None, update: bool = True, metrics: Optional[MetricPlan] = None) -> Settled:
+  """Add the devices' ``sums`` (``across``, over ``mesh_axis``) and finish the batch, or put it in the ``window``.
 
   Without a window the batch's gradient is its mean (``'sum'``: its sum). With one, each device adds its
   own sums to its row of the window, and the devices add their gradients only when ``update`` closes it:
   one gradient all-reduce per optimizer update; a non-finite batch (on any device) is left out.
   """
   if window is None:
-    grad_sum, total, loss_sum, aux_sum = across((sums.grad_sum, sums.total_weight, sums.loss_sum, sums.aux_sum))
+    added, summed = _added(sums, across, metrics, sums.grad_sum, sums.total_weight)
+    grad_sum, total = added[:2]
     grads = finish_grads(grad_sum, total, reduction)
     finite = all_finite(grads) if skip_nonfinite else None
-    return Settled(grads, finite, finite, *finish_values((loss_sum, aux_sum), total, reduction))
+    return Settled(grads, finite, finite, *_metrics_of(sums, added, summed, total, mesh_axis, reduction, metrics))
   bad = (~all_finite(sums.grad_sum)).astype(jnp.int32) if skip_nonfinite else jnp.zeros((), jnp.int32)
-  total, loss_sum, aux_sum, bad = across((sums.total_weight, sums.loss_sum, sums.aux_sum, bad))
+  added, summed = _added(sums, across, metrics, sums.total_weight, bad)
+  total, bad = added[:2]
   finite = (bad == 0) if skip_nonfinite else None
   window.add_sums(sums.grad_sum, sums.total_weight, keep=finite)
-  loss, aux = finish_values((loss_sum, aux_sum), total, reduction)
+  loss, aux = _metrics_of(sums, added, summed, total, mesh_axis, reduction, metrics)
   if not update:
     return Settled(None, None, finite, loss, aux)
   grad_sum, weight = across(window.take_sums())

@@ -13,7 +13,7 @@ import brainpy.math as bm
 import jax.numpy as jnp
 
 from ..core._combine import wide_zeros_like
-from ..core._cut import check_positive_int
+from ..core._cut import check_positive_int, is_int
 
 __all__ = ['GradWindow', 'check_accumulate_steps', 'steps_for_epoch', 'with_last_flag']
 
@@ -24,10 +24,10 @@ def check_accumulate_steps(value) -> Union[int, Dict[int, int]]:
     if not value:
       raise ValueError('accumulate_steps={} is empty: give e.g. {0: 1, 5: 4} (from epoch 5 on, 4 batches per update).')
     for epoch, k in value.items():
-      if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+      if not is_int(epoch) or epoch < 0:
         raise ValueError(f'accumulate_steps={value!r}: the key {epoch!r} must be an epoch index (int >= 0).')
       check_positive_int(f'accumulate_steps[{epoch}]', k, 'Each value is the number of batches per update.')
-    return dict(sorted(value.items()))
+    return dict(sorted((int(epoch), check_positive_int(f'accumulate_steps[{epoch}]', k, '')) for epoch, k in value.items()))
   return check_positive_int('accumulate_steps', value, 'Pass e.g. accumulate_steps=4 or {0: 1, 5: 4}.')
 
 

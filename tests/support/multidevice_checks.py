@@ -16,6 +16,8 @@ from jax.sharding import Mesh, PartitionSpec
 from brainpy_accum import AccumBPTT, count_all_reduces, plan_micro_batches
 from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
 from test_equivalence import Scenario, run
+from test_metrics import DECLARED, assert_same_history
+from test_metrics import fit as fit_with_metrics
 from test_training_loop import ClippedBPTT, _variable_length_batches, concat, masked_mse, train, windows
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 (simulated) devices')
@@ -262,3 +264,18 @@ def test_whole_batch_loss_over_devices_equals_bptt(mesh, case):
     assert count_all_reduces(actual.compile_step(x, y).as_text()).in_loops == 0
   finally:
     del CASES[case + '_mesh']
+
+
+@pytest.mark.parametrize('time_first, options', [(False, dict(num_micro_batch=2, aux_reduction=DECLARED)),
+                                                 (True, dict(num_micro_batch=2, aux_reduction=DECLARED)),
+                                                 (False, dict(num_micro_batch=2, whole_batch_loss=True))])
+def test_metrics_over_devices_equal_bptt(mesh, time_first, options):
+  """Per-sample metrics gathered from the devices' shares (3 samples each: 2 + 1), a declared max (pmax) and an
+  int32 count (in the step's one all-reduce), a mean: the history equals bp.BPTT's, shapes and dtypes too."""
+  expected_params, expected, _, _ = fit_with_metrics(bp.BPTT, time_first, sizes=(24, 24), test_size=16)
+  params, history, _, caught = fit_with_metrics(AccumBPTT, time_first, sizes=(24, 24), test_size=16, mesh=mesh,
+                                                **options)
+  assert_trees_close(params, expected_params)
+  assert_same_history(history, expected)
+  assert history['fit', 'detailed', 'n_pos'].dtype == np.int32
+  assert not [c for c in caught if c.startswith('The metric')], caught

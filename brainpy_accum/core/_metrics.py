@@ -1,0 +1,263 @@
+"""How the metrics that a loss returns beside its value (``loss_has_aux``) combine over micro-batches and devices.
+
+Every leaf of the metrics gets a :class:`MetricRule`, found once while the step is traced:
+
+- a leaf that holds one value per sample (its shape changes with the micro-batch size, on one axis: ``(B,)``,
+  ``(B, T)``, ``(T, B, ...)``) is **stitched**: every micro-batch writes its samples into a whole-batch buffer,
+  so the batch gets exactly the array the whole batch would give, whatever the cut;
+- any other leaf (a scalar, or an array of fixed shape) is **reduced** over the micro-batches: ``'mean'``
+  (weighted like the loss: sample counts or ``loss_weight_fn``), ``'sum'`` (integer counts stay integers),
+  ``'max'`` or ``'min'``. The default is the loss's own combination (``'mean'``, or ``'sum'`` with
+  ``grad_reduction='sum'``); ``aux_reduction={'name': 'max'}`` declares another;
+- ``'whole'``: the leaf is already the whole batch's (one micro-batch, or the two-pass mode), taken as it is.
+
+The combination has two halves so that devices can meet in between: :func:`stacked_partials` turns the
+micro-batches' values into partial sums (before any division), :func:`across_devices` adds (or maximises, or
+gathers) them over a mesh axis, and :func:`finish_metrics` divides the means.
+"""
+
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._cut import MicroBatchPlan
+from ._shapes import second_sizes, traced_shapes
+
+__all__ = ['AUX_REDUCTIONS', 'MetricsError', 'MetricRule', 'MetricPlan', 'across_devices', 'check_aux_reduction', 'combine_on_host',
+           'finish_metrics', 'join_metrics', 'metric_rules', 'metric_name', 'split_metrics', 'stacked_partials',
+           'stitched_axes', 'summed_leaves', 'metric_plan_of', 'plan_from_shapes', 'WHOLE_METRICS']
+
+AUX_REDUCTIONS = ('mean', 'sum', 'max', 'min')
+
+
+class MetricsError(ValueError):
+  """Metrics that cannot be combined as declared: the user's ``aux_reduction`` or metric shapes need a fix."""
+
+
+class MetricRule(NamedTuple):
+  """How one metric leaf combines: stitched on ``axis`` (an int), or reduced by ``reduction``."""
+  axis: Optional[int] = None
+  reduction: str = 'mean'  # 'mean', 'sum', 'max', 'min', or 'whole' (already the batch's)
+
+
+class MetricPlan(NamedTuple):
+  """The rules of every metric leaf (flattened order) and the whole-share shapes of the stitched ones.
+
+  ``mean_by_weight``: ``'mean'`` uses the loss's weights (``grad_reduction='mean'``); otherwise sample counts.
+  ``rules=None``: the metrics are already the whole batch's (:data:`WHOLE_METRICS`).
+  """
+  rules: Optional[List[MetricRule]]
+  stitched_like: List[Any]
+  mean_by_weight: bool = True
+
+
+WHOLE_METRICS = MetricPlan(None, [])
+
+
+def check_aux_reduction(aux_reduction) -> Dict[str, str]:
+  """``None`` or a dict ``{metric name: one of AUX_REDUCTIONS}``; returned as a (new) dict."""
+  if aux_reduction is None:
+    return {}
+  if not isinstance(aux_reduction, dict):
+    raise TypeError(f'{aux_reduction=} must be a dict from metric names to one of {AUX_REDUCTIONS}, e.g. '
+                    f"aux_reduction={{'max_rate': 'max', 'n_correct': 'sum'}}; got a {type(aux_reduction).__name__}.")
+  for name, how in aux_reduction.items():
+    if not isinstance(name, str):
+      raise TypeError(f'aux_reduction key {name!r} must be the name (a str) of a metric that loss_fun returns.')
+    if not isinstance(how, str) or how not in AUX_REDUCTIONS:
+      raise MetricsError(f'aux_reduction[{name!r}]={how!r} is unknown: use one of {AUX_REDUCTIONS} '
+                       f"('mean' for per-sample means, 'sum' for counts, 'max'/'min' for extremes).")
+  return dict(aux_reduction)
+
+
+def metric_name(path) -> str:
+  """The metric's name as ``aux_reduction`` keys it: the top-level key of its path (``'acc'`` of ``['acc']``)."""
+  if not path:
+    return ''
+  key = path[0]
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def metric_plan_of(metrics_of: Callable, args: tuple, axes, plan: MicroBatchPlan, states, declared: Dict[str, str],
+                   grad_reduction: str) -> MetricPlan:
+  """The :class:`MetricPlan` of ``metrics_of(micro_args, n)`` (the metrics of a micro-batch of ``n`` samples)
+  over ``plan``'s micro-batches, from its shapes at two sizes (traced, not run)."""
+  sizes = second_sizes(plan)
+  small, large = traced_shapes(metrics_of, args, axes, states, sizes)
+  return plan_from_shapes(small, large, sizes, declared, grad_reduction, plan.batch_size)
+
+
+def plan_from_shapes(small, large, sizes, declared: Dict[str, str], grad_reduction: str,
+                     batch_size: int) -> MetricPlan:
+  """:func:`metric_rules` with the defaults of ``grad_reduction``: undeclared scalars combine like the loss."""
+  default = 'sum' if grad_reduction == 'sum' else 'mean'
+  found = metric_rules(small, large, sizes, declared, default, batch_size)
+  return found._replace(mean_by_weight=grad_reduction == 'mean')
+
+
+def metric_rules(small, large, sizes, declared: Dict[str, str], default: str, batch_size: int) -> MetricPlan:
+  """The :class:`MetricPlan` of metrics shaped ``small`` and ``large`` at the micro-batch ``sizes`` (two).
+
+  ``declared``: ``aux_reduction``; ``default``: the reduction of undeclared leaves; ``batch_size``: the samples
+  a stitched leaf holds in the end (this device's share). Raises ``ValueError`` for a metric whose shape changes
+  with the micro-batch on several axes (it cannot be stitched), a declared reduction of a per-sample metric,
+  and a declared name that ``loss_fun`` does not return.
+  """
+  rules, stitched = [], []
+  paths = jax.tree_util.tree_flatten_with_path(small)[0]
+  names = {metric_name(path) for path, _ in paths}
+  unknown = sorted(set(declared) - names)
+  if unknown:
+    raise MetricsError(f'aux_reduction names {unknown}, which loss_fun does not return; its metrics are '
+                     f'{sorted(names)}. Give the names of the metrics dict that loss_fun returns.')
+  for (path, a), b in zip(paths, jax.tree_util.tree_leaves(large)):
+    name = f'metrics{jax.tree_util.keystr(path)}'
+    moved = [i for i, (n, m) in enumerate(zip(a.shape, b.shape)) if n != m]
+    if len(moved) > 1 or len(a.shape) != len(b.shape):
+      raise MetricsError(f'The metric {name} has shape {a.shape} for a micro-batch of {sizes[0]} samples and {b.shape} '
+                       f'for one of {sizes[1]}: its samples do not lie on one axis, so it cannot be stitched from '
+                       f'micro-batches. Return a per-sample array (batch on one axis) or a scalar, or pass '
+                       f'whole_batch_loss=True to compute the metrics on the whole batch.')
+    if moved:
+      if metric_name(path) in declared:
+        raise MetricsError(f'aux_reduction declares {declared[metric_name(path)]!r} for {name}, but it holds one value '
+                         f'per sample (shape {a.shape} for {sizes[0]} samples, batch on axis {moved[0]}); per-sample '
+                         f'metrics are stitched into the whole batch\'s array, as bp.BPTT records them. Drop '
+                         f'{metric_name(path)!r} from aux_reduction, or reduce it inside loss_fun.')
+      rules.append(MetricRule(moved[0], 'stitch'))
+      stitched.append(jax.ShapeDtypeStruct(a.shape[:moved[0]] + (batch_size,) + a.shape[moved[0] + 1:], a.dtype))
+    else:
+      rules.append(MetricRule(None, declared.get(metric_name(path), default)))
+  return MetricPlan(rules, stitched)
+
+
+def split_metrics(aux, rules: Sequence[MetricRule]):
+  """``(reduced leaves, stitched leaves)`` of ``aux`` in flattened order."""
+  leaves = jax.tree_util.tree_leaves(aux)
+  return ([x for x, r in zip(leaves, rules) if r.axis is None],
+          [x for x, r in zip(leaves, rules) if r.axis is not None])
+
+
+def join_metrics(treedef, rules: Sequence[MetricRule], reduced, stitched):
+  """The metrics tree (structure ``treedef``) from :func:`split_metrics`' two lists."""
+  reduced, stitched = iter(reduced), iter(stitched)
+  return treedef.unflatten([next(stitched) if r.axis is not None else next(reduced) for r in rules])
+
+
+def stitched_axes(rules: Sequence[MetricRule]) -> List[int]:
+  return [r.axis for r in rules if r.axis is not None]
+
+
+def _wide(x):
+  x = jnp.asarray(x)
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  return x if x.dtype == wide else x.astype(wide)
+
+
+def _summed(v):
+  """A sum over micro-batches that keeps integer (and bool: as int32) counts exact and integral."""
+  v = jnp.asarray(v)
+  if jnp.issubdtype(v.dtype, jnp.integer) or v.dtype == jnp.bool_:
+    return v.sum(0, dtype=jnp.int32 if v.dtype == jnp.bool_ else v.dtype)
+  return _wide(v).sum(0)
+
+
+def stacked_partials(stacked: Sequence, rules: Sequence[MetricRule], weights, counts, mean_by_weight: bool) -> list:
+  """The partial combination of reduced leaves stacked over micro-batches (leading axis), before division.
+
+  ``weights``: the micro-batches' loss weights; ``counts``: their sample counts (the weights of a ``'mean'``
+  when ``mean_by_weight`` is False).
+  """
+  reduced = [r for r in rules if r.axis is None]
+  out = []
+  for v, rule in zip(stacked, reduced):
+    if rule.reduction == 'mean':
+      w = jnp.asarray(weights if mean_by_weight else counts, jnp.float32)
+      out.append(jnp.tensordot(w, _wide(v), axes=1))
+    elif rule.reduction == 'sum':
+      out.append(_summed(v))
+    elif rule.reduction == 'max':
+      out.append(jnp.max(v, axis=0))
+    elif rule.reduction == 'min':
+      out.append(jnp.min(v, axis=0))
+    else:  # 'whole': one micro-batch holds it
+      out.append(v[-1])
+  return out
+
+
+def summed_leaves(aux, rules: Sequence[MetricRule]) -> list:
+  """The leaves that devices add (means and sums), to join the step's one all-reduce."""
+  if rules is None:
+    return []
+  return [x for x, r in zip(jax.tree_util.tree_leaves(aux), rules) if r.axis is None and r.reduction in ('mean', 'sum')]
+
+
+def across_devices(aux, rules: Sequence[MetricRule], mesh_axis: Optional[str], summed: Optional[list] = None):
+  """Combine every device's partial metrics over ``mesh_axis`` (``None``: one device, unchanged).
+
+  Means and sums are added (``summed``: :func:`summed_leaves` already added, e.g. in the step's one
+  all-reduce), extremes maximised or minimised, stitched leaves gathered on their batch axis (the devices hold
+  contiguous shares), and ``'whole'`` leaves (equal on every device) kept.
+  """
+  if mesh_axis is None or rules is None:
+    return aux
+  leaves, treedef = jax.tree_util.tree_flatten(aux)
+  added = iter(jax.lax.psum(summed_leaves(aux, rules), mesh_axis) if summed is None else summed)
+  out = []
+  for x, rule in zip(leaves, rules):
+    if rule.axis is not None:
+      out.append(jax.lax.all_gather(x, mesh_axis, axis=rule.axis, tiled=True))
+    elif rule.reduction in ('mean', 'sum'):
+      out.append(next(added))
+    elif rule.reduction == 'max':
+      out.append(jax.lax.pmax(x, mesh_axis))
+    elif rule.reduction == 'min':
+      out.append(jax.lax.pmin(x, mesh_axis))
+    else:
+      out.append(x)
+  return treedef.unflatten(out)
+
+
+def finish_metrics(aux, rules: Sequence[MetricRule], total_weight, total_count, mean_by_weight: bool):
+  """Divide the ``'mean'`` leaves by the batch's total weight (or sample count); everything else is final."""
+  if rules is None:
+    return aux
+  leaves, treedef = jax.tree_util.tree_flatten(aux)
+  total = total_weight if mean_by_weight else total_count
+  return treedef.unflatten([x / total if r.axis is None and r.reduction == 'mean' else x
+                            for x, r in zip(leaves, rules)])
+
+
+def combine_on_host(results: Sequence[dict], weights: Sequence[float], counts: Sequence[int],
+                    rules: Sequence[MetricRule], mean_by_weight: bool) -> dict:
+  """The batch's metrics from those of its chunks (each already combined over its micro-batches), on the host:
+  stitched leaves concatenated on their axis, means weighted by ``weights`` (or ``counts``), the rest reduced."""
+  if not results:
+    return {}
+  if rules is None:
+    return results[-1]
+  per_chunk = [jax.tree_util.tree_leaves(r) for r in results]
+  out = []
+  for i, rule in enumerate(rules):
+    values = [np.asarray(leaves[i]) for leaves in per_chunk]
+    dtype = values[0].dtype
+    if rule.axis is not None:
+      out.append(np.concatenate(values, axis=rule.axis))
+    elif rule.reduction == 'mean':
+      w = np.asarray(weights if mean_by_weight else counts, np.float64)
+      out.append(np.asarray(sum(wi * v.astype(np.float64) for wi, v in zip(w, values)) / w.sum(), dtype))
+    elif rule.reduction == 'sum':
+      out.append(np.asarray(sum(v.astype(np.float64) if np.issubdtype(dtype, np.floating) else v for v in values),
+                            dtype))
+    elif rule.reduction == 'max':
+      out.append(np.max(np.stack(values), axis=0))
+    elif rule.reduction == 'min':
+      out.append(np.min(np.stack(values), axis=0))
+    else:
+      out.append(values[-1])
+  return jax.tree_util.tree_structure(results[0]).unflatten(out)
