@@ -257,6 +257,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
                        f'drop aux_reduction.')
     super().__init__(target, loss_fun, optimizer=optimizer, **kwargs)
     self._metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
+    self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
     self.num_micro_batch, self.micro_batch_size, self.grad_reduction = num_micro_batch, micro_batch_size, grad_reduction
     self.target_batch_axis, self.remat, self.loss_weight_fn = target_batch_axis, remat, loss_weight_fn
     self.memory_budget = None if memory_budget is None else parse_memory(memory_budget)
@@ -648,8 +649,13 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     from the metrics' shapes at two micro-batch sizes, traced only (nothing runs, nothing changes)."""
     if not self.loss_has_aux:
       return None
-    self._metric_rules = metric_plan_of(lambda micro_args, n: self._loss_and_aux(shared_args, *micro_args)[1],
-                                        args, axes, plan, states, self.aux_reduction, self.grad_reduction)
+    key = (plan[:4], tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in
+                           jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, bm.Array))))
+    if key not in self._metric_plans:  # the train and evaluation steps of a batch shape trace it once
+      self._metric_plans[key] = metric_plan_of(
+        lambda micro_args, n: self._loss_and_aux(shared_args, *micro_args)[1], args, axes, plan, states,
+        self.aux_reduction, self.grad_reduction)
+    self._metric_rules = self._metric_plans[key]
     return self._metric_rules
 
   def _two_passes(self, shared_args, targets, params):
