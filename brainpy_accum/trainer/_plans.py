@@ -15,23 +15,38 @@ from ..core._batch import BatchLayout, batch_layout
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import batch_spec, check_divisible, mesh_size, random_states
 from ..core._states import batched_variables, values_restored
-from ..memory._budget import choose_micro_batch_size, compiled_step_bytes, format_memory
+from ..memory._budget import StepMemory, choose_micro_batch_size, format_memory
 from ..memory._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ..memory._oom import finer_plan
 from ..memory._stream import chunk_candidates, host_chunk
 
-__all__ = ['Compilers', 'Planning']
+__all__ = ['Compilers', 'PlannedStep', 'Planning', 'plural']
+
+
+class PlannedStep(NamedTuple):
+  """A train step compiled for one plan, fully optimised, as :meth:`fit` would compile it."""
+  memory: StepMemory        # its memory by XLA's analysis: what verifies that the plan fits
+  run: Callable[[], Any]    # a trial of it that changes nothing (``remat='auto'``'s timing)
+  keep: Callable[[], None]  # make fit run this very executable for the batch size (no second compilation)
 
 
 class Compilers(NamedTuple):
   """What planning compiles and times, given by the trainer.
 
-  ``step_bytes(plan, shared_args, inputs, targets, via_window) -> bytes`` of the train step compiled for
-  ``plan``; ``trial(plan, shared_args, inputs, targets) -> (compiled, run)``: that step compiled, and a
-  ``run()`` of it that changes nothing (``remat='auto'``'s trial steps).
+  ``step_bytes(plan, shared_args, inputs, targets, via_window) -> StepMemory`` of the train step compiled for
+  ``plan`` quickly (XLA's buffer assignment is that of the optimised step; only the code is left unoptimised):
+  the probes of the search; ``trial(plan, shared_args, inputs, targets, via_window) -> PlannedStep``: that step
+  compiled for training, to verify, time and keep; ``keepable(via_window)``: whether fit can run a kept step
+  (not where it runs another: a window's, a mesh's, or no jit).
   """
-  step_bytes: Callable[..., int]
-  trial: Callable[..., Tuple[Any, Callable[[], Any]]]
+  step_bytes: Callable[..., Any]
+  trial: Callable[..., PlannedStep]
+  keepable: Callable[[bool], bool]
+
+
+def plural(count: int, noun: str) -> str:
+  """``'1 micro-batch'``, ``'3 micro-batches'``."""
+  return f'{count} {noun}' + ('' if count == 1 else 'es' if noun.endswith('ch') else 's')
 
 
 class Planning:
@@ -148,15 +163,21 @@ class Planning:
 
   def _plan_batch(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
                   via_window: bool = False) -> None:
-    """Plan one batch (or streamed chunk) whose step holds all of it; raises ``ValueError`` if none fits."""
+    """Plan one batch (or streamed chunk) whose step holds all of it; raises ``ValueError`` if none fits.
+
+    The search probes a few sizes with quick compilations (:func:`~brainpy_accum.memory._budget.largest_fitting`);
+    the pick is then compiled as training runs it, and that compilation's memory analysis must fit the
+    budget (else the pick is corrected downwards). Training runs that very executable: no second compilation.
+    """
     batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
-    measure = lambda size: compilers.step_bytes(
-      plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets, via_window)
+    planned = None
     try:
       if self.remat == 'auto':
-        size, used, remat = self._plan_fastest(share, shared_args, inputs, targets, step_time, compilers)
+        size, used, remat, planned = self._plan_fastest(share, shared_args, inputs, targets, step_time, compilers,
+                                                        via_window)
       else:
-        (size, used), remat = choose_micro_batch_size(share, self.memory_budget, measure), None
+        size, used, planned = self._plan_fewest(share, shared_args, inputs, targets, compilers, via_window)
+        remat = None
     except ValueError as error:
       if self.mesh is None:
         raise
@@ -164,9 +185,42 @@ class Planning:
                        f'the batch of {batch_size}, and memory_budget is per device.') from None
     plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
     self.memory_plans[batch_size] = (plan, used)
+    if planned is not None:
+      planned.keep()
     per_device = '' if self.mesh is None else ' per device'
-    tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plan.num_micro_batches} micro-batches), '
+    tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plural(plan.num_micro_batches, "micro-batch")}), '
                f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}')
+
+  def _plan_fewest(self, share: int, shared_args, inputs, targets, compilers: Compilers, via_window: bool
+                   ) -> Tuple[int, int, Optional[PlannedStep]]:
+    """``(micro_batch_size, bytes, compiled step or None)``: the fewest micro-batches whose step fits.
+
+    Sizes the search predicts to be the answer are compiled as training runs them (when fit can run that
+    executable), the others quickly; an answer measured quickly is compiled for training afterwards, and
+    its memory must fit too, else the search goes on below it.
+    """
+    plan_of = lambda size: plan_micro_batches(share, micro_batch_size=size)
+    keepable, kept = compilers.keepable(via_window), {}
+
+    def probe(size):
+      return compilers.step_bytes(plan_of(size), shared_args, inputs, targets, via_window)
+
+    def compile_for_training(size):
+      kept[size] = compilers.trial(plan_of(size), shared_args, inputs, targets, via_window)
+      return kept[size].memory
+
+    below = None
+    while True:
+      size, used = choose_micro_batch_size(share, self.memory_budget, probe, below=below,
+                                           measure_pick=compile_for_training if keepable else None)
+      if not keepable:
+        return size, used, None  # fit runs a step of its own (a window, a mesh): the probe's figure is XLA's measure
+      planned = kept.get(size) or compilers.trial(plan_of(size), shared_args, inputs, targets, via_window)
+      if planned.memory.total <= self.memory_budget:
+        return size, planned.memory.total, planned
+      tqdm.write(f'memory plan: micro-batches of {size} need {format_memory(planned.memory.total)} compiled for '
+                 f'training, not the {format_memory(used)} of the quick compilation; searching below')
+      below = size
 
   def _plan_stream(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
                    error: ValueError) -> MicroBatchPlan:
@@ -203,27 +257,54 @@ class Planning:
                f'({plan.describe()}, train step {format_memory(used)}), one update per batch')
     return plan
 
-  def _plan_fastest(self, share: int, shared_args, inputs, targets, step_time,
-                    compilers: Compilers) -> Tuple[int, int, Union[bool, int]]:
-    """``remat='auto'``: ``(micro_batch_size, bytes, remat)`` of the fastest plan that fits, its table printed."""
+  def _plan_fastest(self, share: int, shared_args, inputs, targets, step_time, compilers: Compilers,
+                    via_window: bool = False) -> Tuple[int, int, Union[bool, int], Optional[PlannedStep]]:
+    """``remat='auto'``: ``(micro_batch_size, bytes, remat, compiled step)`` of the fastest plan that fits, its
+    table printed.
+
+    Only the largest fitting micro-batch of each remat option is weighed: those are the candidates that can
+    win, since a finer cut of the same remat does the same work in more, smaller sequential steps. The
+    search compiles the sizes it predicts to be the answer as training runs them, so the candidates timed are
+    already compiled, their compilation's memory is the figure that must fit, and training runs the winner's
+    executable.
+    """
     compiled = {}
+
+    def plan_of(size, remat):
+      return plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+
+    def probe(size, remat):
+      return compilers.step_bytes(plan_of(size, remat), shared_args, inputs, targets, via_window)
 
     def compile_(size, remat):
       if (size, remat) not in compiled:
-        plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
-        compiled[size, remat] = compilers.trial(plan, shared_args, inputs, targets)
+        compiled[size, remat] = compilers.trial(plan_of(size, remat), shared_args, inputs, targets, via_window)
       return compiled[size, remat]
 
     def timed(pairs):
       if step_time is not None:
-        return step_time([plan_micro_batches(share, micro_batch_size=s)._replace(remat=r) for s, r in pairs])
-      return time_steps([compile_(*pair)[1] for pair in pairs])
+        return step_time([plan_of(s, r) for s, r in pairs])
+      steps = [compile_(*pair) for pair in pairs]
+      seconds = time_steps([step.run for step in steps], rounds=2)
+      # one compiled for training that does not fit after all (the quick probe measured otherwise) is never chosen
+      return [t if step.memory.total <= self.memory_budget else float('inf') for t, step in zip(seconds, steps)]
 
-    chosen, weighed = choose_fastest_plan(share, self.memory_budget,
-                                          lambda size, remat: compiled_step_bytes(compile_(size, remat)[0]), timed)
+    chosen, weighed = choose_fastest_plan(share, self.memory_budget, probe, timed, finer=0,
+                                          measure_pick=lambda size, remat: compile_(size, remat).memory)
+    if chosen.seconds == float('inf'):
+      raise ValueError(f'memory_budget={format_memory(self.memory_budget)}: no plan fits when compiled for '
+                       f'training, although quick compilations said so. Raise memory_budget.')
     self.weighed_plans[share] = weighed
     tqdm.write(describe_choice(share, self.memory_budget, chosen, weighed))
-    return chosen.micro_batch_size, chosen.bytes, chosen.remat
+    planned = compiled.get((chosen.micro_batch_size, chosen.remat))
+    if planned is None and compilers.keepable(via_window):  # measured by a quick probe: compile it for training
+      planned = compile_(chosen.micro_batch_size, chosen.remat)
+      if planned.memory.total > self.memory_budget:
+        raise ValueError(f'memory_budget={format_memory(self.memory_budget)}: the chosen plan needs '
+                         f'{format_memory(planned.memory.total)} compiled for training, although a quick '
+                         f'compilation measured {format_memory(chosen.bytes)}. Raise memory_budget.')
+    used = chosen.bytes if planned is None else planned.memory.total
+    return chosen.micro_batch_size, used, chosen.remat, planned
 
   @property
   def weighed_plans(self) -> Dict[int, List[Candidate]]:

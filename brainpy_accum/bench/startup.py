@@ -1,0 +1,156 @@
+"""How long until the first epoch is done: bp.BPTT and AccumBPTT's plans, each in a fresh process.
+
+``python -m brainpy_accum.bench.startup`` runs every trainer of :data:`TRAINERS` in its own Python process
+(imports excluded), timed from building the trainer to the end of its first epoch, on the issue's workload: a
+rate RNN (``bp.dyn.RNNCell`` + ``bp.dnn.Dense`` read-out), batch 256, T=100, 64 inputs, 256 hidden, 10 classes,
+cross-entropy of the last step, Adam, 2 batches. Each trainer runs twice on its own cache folder: the first run
+starts with an empty one, the rerun finds what the first run left (JAX's persistent compilation cache, for
+bp.BPTT too, and AccumBPTT's plan cache). Runs alternate between trainers and repeat, so that the machine's
+drift falls on all alike; the ratios are medians of per-round ratios to bp.BPTT, quartiles beside them.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ['TRAINERS', 'TARGETS', 'run_one', 'measure_startup', 'startup_section']
+
+TRAINERS: Dict[str, dict] = {
+  'bp.BPTT': {},
+  'AccumBPTT(num_micro_batch=4)': {'num_micro_batch': 4},
+  "'auto', memory_budget='24MiB'": {'num_micro_batch': 'auto', 'memory_budget': '24MiB'},
+  "'auto', remat='auto', 24MiB": {'num_micro_batch': 'auto', 'memory_budget': '24MiB', 'remat': 'auto'},
+  "'auto', remat='auto', 8MiB (streamed)": {'num_micro_batch': 'auto', 'memory_budget': '8MiB', 'remat': 'auto'},
+}
+TARGETS = {'AccumBPTT(num_micro_batch=4)': (1.3, None), "'auto', memory_budget='24MiB'": (2.0, 1.5),
+           "'auto', remat='auto', 24MiB": (3.0, 1.5), "'auto', remat='auto', 8MiB (streamed)": (4.0, None)}
+SHAPE = dict(batch=256, time=100, inputs=64, hidden=256, classes=10, batches=2)
+
+
+def _child(options: dict, shape: dict) -> dict:
+  """In the fresh process: build the trainer, fit one epoch; seconds and XLA compilations since the build."""
+  import brainpy as bp
+  import brainpy.math as bm
+  import numpy as np
+
+  from ..diagnostics._compiles import count_compilations
+  from ..trainer import AccumBPTT
+
+  bm.random.seed(0)
+  with bm.training_environment():
+    model = bp.Sequential(bp.dyn.RNNCell(shape['inputs'], shape['hidden']),
+                          bp.dnn.Dense(shape['hidden'], shape['classes']))
+  rng = np.random.RandomState(0)
+  data = [(rng.rand(shape['batch'], shape['time'], shape['inputs']).astype('float32'),
+           rng.randint(0, shape['classes'], shape['batch'])) for _ in range(shape['batches'])]
+
+  def last_step_cross_entropy(predicts, targets):
+    return bp.losses.cross_entropy_loss(predicts[:, -1], targets)
+
+  with count_compilations() as compiled:
+    start = time.perf_counter()
+    if options:
+      trainer = AccumBPTT(model, last_step_cross_entropy, bp.optim.Adam(lr=1e-3), progress_bar=False, **options)
+    else:
+      trainer = bp.BPTT(model, last_step_cross_entropy, bp.optim.Adam(lr=1e-3), progress_bar=False)
+    trainer.fit(data, num_epoch=1)
+    seconds = time.perf_counter() - start
+  return {'seconds': seconds, 'compilations': compiled(),
+          'plan': {str(k): v[0].describe() for k, v in getattr(trainer, 'memory_plans', {}).items()}}
+
+
+def run_one(name: str, cache: str, shape: dict = SHAPE) -> dict:
+  """One fresh process for trainer ``name`` with its caches in the folder ``cache``."""
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(cache, 'jax'), BRAINPY_ACCUM_CACHE_DIR=cache,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  request = json.dumps({'options': TRAINERS[name], 'shape': shape})
+  done = subprocess.run([sys.executable, '-m', 'brainpy_accum.bench.startup', '--child', request], env=env,
+                        capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise RuntimeError(f'{name}: the child process failed:\n{done.stderr[-3000:]}')
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_startup(names: Sequence[str] = tuple(TRAINERS), rounds: int = 3, shape: dict = SHAPE) -> dict:
+  """``{name: {'first': [runs], 'rerun': [runs]}}``: per round, each trainer's first run on an empty cache
+  folder, then its rerun on that folder; trainers alternate within a round, in reversed order every other round."""
+  results = {name: {'first': [], 'rerun': []} for name in names}
+  for round_ in range(rounds):
+    order = list(names) if round_ % 2 == 0 else list(reversed(names))
+    folders = {name: tempfile.mkdtemp(prefix='brainpy_accum_startup_') for name in order}
+    try:
+      for kind in ('first', 'rerun'):
+        for name in order:
+          results[name][kind].append(run_one(name, folders[name], shape))
+          print(f'round {round_} {kind:5} {name:40} {results[name][kind][-1]["seconds"]:6.2f} s  '
+                f'{results[name][kind][-1]["compilations"]} compilations', flush=True)
+    finally:
+      for folder in folders.values():
+        shutil.rmtree(folder, ignore_errors=True)
+  return results
+
+
+def _quartiles(values: List[float]) -> str:
+  if len(values) < 3:
+    return ' - '.join(f'{v:.2f}' for v in sorted(values))
+  q = statistics.quantiles(values, n=4)
+  return f'{q[0]:.2f}-{q[2]:.2f}'
+
+
+def startup_section(results: dict, load: str = '') -> str:
+  """The markdown table: seconds, ratio to bp.BPTT (median of per-round ratios, quartiles), compilations."""
+  base = results['bp.BPTT']
+  lines = ['| trainer | first run s | first / bp.BPTT | compilations | rerun s | rerun / bp.BPTT rerun | '
+           'compilations | target first, rerun |', '|---|---|---|---|---|---|---|---|']
+  verdicts = []
+  for name, runs in results.items():
+    cells = [name]
+    for kind in ('first', 'rerun'):
+      seconds = [r['seconds'] for r in runs[kind]]
+      ratios = [r['seconds'] / b['seconds'] for r, b in zip(runs[kind], base[kind])]
+      cells += [f'{statistics.median(seconds):.2f}', f'{statistics.median(ratios):.2f} ({_quartiles(ratios)})',
+                '/'.join(sorted({str(r['compilations']) for r in runs[kind]}))]
+      target = TARGETS.get(name, (None, None))[kind == 'rerun']
+      if target is not None:
+        met = statistics.median(ratios) <= target
+        verdicts.append(f'- {name}, {kind}: {statistics.median(ratios):.2f} x bp.BPTT (target <= {target}): '
+                        f'{"met" if met else "**missed**"}')
+    targets = TARGETS.get(name)
+    cells.append('-' if targets is None else ', '.join('-' if t is None else f'<= {t}' for t in targets))
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  plans = {name: runs['first'][0]['plan'] for name, runs in results.items() if runs['first'][0]['plan']}
+  lines += ['', 'Plans chosen: ' + '; '.join(f'{name}: {plan}' for name, plan in plans.items()), ''] + verdicts
+  if load:
+    lines += ['', f'Load average (1, 5, 15 min) during the runs: {load}.']
+  return '\n'.join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.startup', description=__doc__.split('\n')[0])
+  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--trainers', nargs='+', default=list(TRAINERS), choices=list(TRAINERS))
+  parser.add_argument('--json', default=None, help='also write the measurements to this file')
+  parser.add_argument('--child', default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child is not None:
+    request = json.loads(args.child)
+    print(json.dumps(_child(request['options'], request['shape'])))
+    return
+  before = ', '.join(f'{v:.2f}' for v in os.getloadavg())
+  results = measure_startup(args.trainers, args.rounds)
+  after = ', '.join(f'{v:.2f}' for v in os.getloadavg())
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(results, f, indent=1)
+  print(startup_section(results, f'{before} before, {after} after'))
+
+
+if __name__ == '__main__':
+  main()
