@@ -106,14 +106,15 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
     probe the largest size; if it fits, done
     repeat: line through the nearest size known to fit and the nearest known not to (or through the two
             smallest measured, or, from one, through the fixed bytes); probe the largest size it predicts to fit
+            (after two wrong predictions in a row: the middle of the sizes left)
     until the largest size known to fit is next to the smallest known not to
 
   Every answer is measured, never predicted: the size returned was measured to fit. Only the next larger
   size may go unmeasured, when the line, whose error at the answer is known, puts it over the budget by a
-  wide margin (5% of the budget and twice that error); then that size is taken as not fitting. A probe
-  that contradicts its prediction is followed by a bisection step, so the search is never slower than
-  about twice a bisection's ``log2(len(sizes))``. Assumes memory grows with the size, as bisection does.
-  ``measure_pick``, if given, measures the sizes the line predicts to be the answer (the trainer compiles
+  wide margin (5% of the budget and twice that error); then that size is taken as not fitting. After two
+  probes in a row that contradict their prediction the next is a bisection step, so the search stays
+  within a few probes of a bisection even where memory is far from a line. Assumes memory grows with the size, as bisection does.
+  ``measure_pick``, if given, measures the sizes the line predicts to fit (the likely answer; the trainer compiles
   those as training runs them, so that the answer's compilation is the one training uses); ``measure``
   the others (the first probe and bisection steps).
 
@@ -129,13 +130,14 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
   measured = {}  # size -> total bytes
   fixed = 0
   bad, good = -1, len(sizes)  # indices: sizes[bad] known not to fit, sizes[good] known to fit
-  index, predicted, contradicted = 0, None, False
+  index, predicted, contradicted = 0, None, 0
   while True:
-    measure_now = measure if predicted is None or measure_pick is None else measure_pick
+    likely_answer = predicted is not None and predicted <= budget and measure_pick is not None
+    measure_now = measure_pick if likely_answer else measure
     total, fixed_part = memory_parts(measure_now(sizes[index]))
     measured[sizes[index]], fixed = total, max(fixed, fixed_part)
     fits = total <= budget
-    contradicted = predicted is not None and (predicted <= budget) != fits
+    contradicted = contradicted + 1 if predicted is not None and (predicted <= budget) != fits else 0
     if fits:
       good = index
     else:
@@ -147,7 +149,7 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
       next_up, error = sizes[good - 1], abs(total - predicted)
       if line(next_up) > budget + max(2 * error, 0.05 * budget):
         break  # the next larger size is over the budget by far more than the line's error at the answer
-    index, predicted = _next_probe(sizes, bad, good, budget, line, bisect=contradicted or line is None)
+    index, predicted = _next_probe(sizes, bad, good, budget, line, bisect=contradicted >= 2 or line is None)
   if good == len(sizes):
     return None
   return sizes[good], measured[sizes[good]]
@@ -172,11 +174,10 @@ def _line(sizes, bad: int, good: int, measured: dict, fixed: int) -> Optional[Ca
 def _next_probe(sizes, bad: int, good: int, budget: int, line, bisect: bool) -> Tuple[int, Optional[float]]:
   """The index to measure next, strictly between ``bad`` and ``good``, and the bytes the line predicts there."""
   if bisect:
-    index = (bad + 1 + good - 1) // 2 if good < len(sizes) else max(bad + 1, (bad + len(sizes)) // 2)
-  else:
-    inside = [i for i in range(bad + 1, good) if line(sizes[i]) <= budget]
-    index = inside[0] if inside else good - 1
-  return index, None if line is None else line(sizes[index])
+    return (bad + good) // 2, None
+  inside = [i for i in range(bad + 1, good) if line(sizes[i]) <= budget]
+  index = inside[0] if inside else good - 1
+  return index, line(sizes[index])
 
 
 def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int], Union[int, StepMemory]], *,

@@ -68,13 +68,14 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
   >>> chosen.micro_batch_size, chosen.remat, chosen.seconds
   (64, True, 1.3)
   """
-  weighed, largest, one_sample, measured = [], {}, [], {}
+  weighed, largest, one_sample, measured, kept = [], {}, [], {}, {}  # measured: totals; kept: as measure gave them
 
   def recorded(measure_):
     def measure_one(size, remat):
-      if (size, remat) not in measured:
-        measured[size, remat] = memory_parts(measure_(size, remat))[0]
-      return measured[size, remat]
+      if (size, remat) not in kept:
+        kept[size, remat] = measure_(size, remat)
+        measured[size, remat] = memory_parts(kept[size, remat])[0]
+      return kept[size, remat]
     return measure_one
 
   for remat in remat_options:
@@ -98,7 +99,7 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
   without_remat = largest.get(False, 0)
   pairs = [(size, remat) for remat, top in largest.items() for size in finer_sizes(batch_size, top, finer)
            if not remat or size > without_remat]  # a cut that fits without remat is faster without it
-  used = [recorded(measure)(size, remat) for size, remat in pairs]
+  used = [memory_parts(recorded(measure)(size, remat))[0] for size, remat in pairs]
   fitting = [pair for pair, bytes_ in zip(pairs, used) if bytes_ <= budget]
   # one fitting candidate wins untimed: trial steps would only cost time
   seconds = dict(zip(fitting, step_time(fitting))) if len(fitting) > 1 else {fitting[0]: None}

@@ -33,6 +33,7 @@ from ..core._states import whole_batch_variables
 from ..core._two_pass import Devices, two_pass_sums
 from ..diagnostics._compiles import QUICK_COMPILE, Compilations
 from ..memory._budget import StepMemory, compiled_step_bytes, parse_memory, step_memory
+from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
 from ._arguments import (check_accumulation_args, check_remat, check_update_args, check_whole_batch_loss,
                          warn_batch_statistics)
 from ._coupled_loss import check_first_batch
@@ -170,6 +171,16 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     ``accumulate_steps > 1`` (the loss of several batches together is not
     known from their separate losses), ``grad_reduction='sum'`` or
     ``loss_weight_fn`` (the loss itself normalises).
+  cache : bool, str or os.PathLike
+    Caches that make a rerun of the same script start fast: JAX's
+    persistent compilation cache (in ``<folder>/jax``, only if JAX has no
+    cache folder yet: ``JAX_COMPILATION_CACHE_DIR`` or ``jax.config`` are
+    kept) and, with ``num_micro_batch='auto'``, the memory planner's plans
+    (``<folder>/plans``, keyed by the model, batch, options, versions and
+    device; a cached plan's step is compiled and measured again, never
+    trusted). ``True`` (default): the folder ``BRAINPY_ACCUM_CACHE_DIR``, else
+    ``~/.cache/brainpy_accum``, none if ``BRAINPY_ACCUM_CACHE=0``; ``False``:
+    no caches; a path: that folder.
   **kwargs
     Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
     ``jit``, ``data_first_axis``, ``progress_bar``, ...).
@@ -220,9 +231,11 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
       mesh: Optional[Mesh] = None,
       mesh_axis: Optional[str] = None,
       whole_batch_loss: bool = False,
+      cache: Union[bool, str, os.PathLike] = True,
       **kwargs,
   ):
     self.mesh_axis = check_mesh(mesh, mesh_axis)
+    folder = cache_folder(cache)  # checks the argument before anything changes
     if remat == 'auto' and mesh is not None:
       raise ValueError("remat='auto' is not supported with a mesh (its trial steps run unsharded): choose remat=True "
                        "or False with mesh=..., or drop the mesh.")
@@ -241,6 +254,10 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
     self.skip_nonfinite, self.whole_batch_loss, self._loss_checked = skip_nonfinite, whole_batch_loss, whole_batch_loss
     self.mesh = None if mesh is None else auto_axes(mesh)
+    self.cache_folder = folder
+    if self.cache_folder is not None:
+      use_compilation_cache(self.cache_folder)
+    self._plan_cache = PlanCache(self.cache_folder) if self.cache_folder and num_micro_batch == 'auto' else None
     self._init_steps()
     warn_batch_statistics(self.target)
 

@@ -7,6 +7,7 @@ compiles, times or rebuilds it receives as arguments (:class:`Compilers`, ``rebu
 calls back into the trainer's steps.
 """
 
+import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from tqdm import tqdm
@@ -15,10 +16,11 @@ from ..core._batch import BatchLayout, batch_layout
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import batch_spec, check_divisible, mesh_size, random_states
 from ..core._states import batched_variables, values_restored
-from ..memory._budget import StepMemory, choose_micro_batch_size, format_memory
+from ..memory._budget import StepMemory, choose_micro_batch_size, format_memory, memory_parts
 from ..memory._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ..memory._oom import finer_plan
 from ..memory._stream import chunk_candidates, host_chunk
+from ._plan_key import plan_key
 
 __all__ = ['Compilers', 'PlannedStep', 'Planning', 'plural']
 
@@ -170,6 +172,9 @@ class Planning:
     budget (else the pick is corrected downwards). Training runs that very executable: no second compilation.
     """
     batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
+    key = None if step_time is not None else self._plan_key(shared_args, inputs, targets, via_window)
+    if self._plan_from_cache(key, layout, shared_args, inputs, targets, compilers, via_window):
+      return
     planned = None
     try:
       if self.remat == 'auto':
@@ -180,16 +185,66 @@ class Planning:
         remat = None
     except ValueError as error:
       if self.mesh is None:
+        self._store_plan(key, {'fits': False, 'error': str(error)})
         raise
       raise ValueError(f'{error} With the mesh, each of the {self.num_devices} devices holds {share} samples of '
                        f'the batch of {batch_size}, and memory_budget is per device.') from None
-    plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+    self._store_plan(key, {'fits': True, 'micro_batch_size': size, 'remat': remat, 'bytes': used})
+    self._set_plan(batch_size, plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat), used, planned)
+
+  def _set_plan(self, batch_size: int, plan: MicroBatchPlan, used: int, planned: Optional[PlannedStep],
+                cached: bool = False) -> None:
+    """Record (and print) the plan of ``batch_size``; fit runs ``planned``, the step compiled for it, if given."""
     self.memory_plans[batch_size] = (plan, used)
     if planned is not None:
       planned.keep()
+    source = ' (from the plan cache, its compiled step measured again)' if cached else ''
     per_device = '' if self.mesh is None else ' per device'
     tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plural(plan.num_micro_batches, "micro-batch")}), '
-               f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}')
+               f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}'
+               f'{source}')
+
+  def _plan_key(self, shared_args, inputs, targets, via_window: bool) -> Optional[dict]:
+    """Everything a plan depends on, as JSON, or ``None`` where plans are not cached (no cache, a mesh)."""
+    if self._plan_cache is None or self.mesh is not None:
+      return None
+    return plan_key(self, shared_args, inputs, targets, via_window)
+
+  def _store_plan(self, key: Optional[dict], plan: dict) -> None:
+    if key is not None:
+      self._plan_cache.put(key, plan)
+
+  def _plan_from_cache(self, key: Optional[dict], layout, shared_args, inputs, targets, compilers: Compilers,
+                       via_window: bool) -> bool:
+    """Use the cached plan for ``key`` if there is one and its step, compiled again, still fits; True if used.
+
+    A cached plan is never trusted: the step is compiled (for training where fit can run it, quickly
+    otherwise) and must fit the budget by XLA's measure, else a one-line warning and planning anew. A cached
+    'does not fit' (the same step measured by an earlier run) raises its error again, for streaming to go on.
+    """
+    entry = None if key is None else self._plan_cache.get(key)
+    if entry is None:
+      return False
+    if entry.get('fits') is False and isinstance(entry.get('error'), str):
+      raise ValueError(entry['error'])
+    size, remat, share = entry.get('micro_batch_size'), entry.get('remat'), self._share_size(layout.batch_size)
+    if not (isinstance(size, int) and 1 <= size <= share and (remat is None or isinstance(remat, (bool, int)))):
+      warnings.warn(f'plan cache: ignored an entry for batch {layout.batch_size} that does not describe a plan of '
+                    f'it; planning anew.', UserWarning, stacklevel=2)
+      return False
+    plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+    if compilers.keepable(via_window):
+      planned = compilers.trial(plan, shared_args, inputs, targets, via_window)
+      used = planned.memory.total
+    else:
+      planned, used = None, memory_parts(compilers.step_bytes(plan, shared_args, inputs, targets, via_window))[0]
+    if used > self.memory_budget:
+      warnings.warn(f'plan cache: the cached plan for batch {layout.batch_size} ({plan.describe_cuts()}) needs '
+                    f'{format_memory(used)} now, over memory_budget {format_memory(self.memory_budget)}; planning '
+                    f'anew.', UserWarning, stacklevel=2)
+      return False
+    self._set_plan(layout.batch_size, plan, used, planned, cached=True)
+    return True
 
   def _plan_fewest(self, share: int, shared_args, inputs, targets, compilers: Compilers, via_window: bool
                    ) -> Tuple[int, int, Optional[PlannedStep]]:
