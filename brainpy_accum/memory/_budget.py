@@ -104,8 +104,8 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
   each probe is the largest size that a line through the measurements nearest the budget predicts to fit::
 
     probe the largest size; if it fits, done
-    repeat: line through the nearest size known to fit and the nearest known not to (or through the two
-            smallest measured, or, from one, through the fixed bytes); probe the largest size it predicts to fit
+    repeat: line through the two measurements nearest the budget (from one: through the fixed bytes at
+            size 0); probe the largest size between those known to fit and not to that it predicts to fit
             (after two wrong predictions in a row: the middle of the sizes left)
     until the largest size known to fit is next to the smallest known not to
 
@@ -144,7 +144,7 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
       bad = index
     if good == bad + 1:
       break
-    line = _line(sizes, bad, good, measured, fixed)
+    line = _line(measured, fixed, budget)
     if fits and predicted is not None and line is not None:
       next_up, error = sizes[good - 1], abs(total - predicted)
       if line(next_up) > budget + max(2 * error, 0.05 * budget):
@@ -155,16 +155,15 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
   return sizes[good], measured[sizes[good]]
 
 
-def _line(sizes, bad: int, good: int, measured: dict, fixed: int) -> Optional[Callable[[int], float]]:
-  """Bytes as a line in the size through the measurements nearest the budget; ``None`` if it does not rise."""
-  if bad >= 0 and good < len(sizes):
-    points = [sizes[good], sizes[bad]]
-  else:
-    points = sorted(measured)[:2]
+def _line(measured: dict, fixed: int, budget: int) -> Optional[Callable[[int], float]]:
+  """Bytes as a line in the size through the two measurements nearest the budget in bytes (from one: through
+  the fixed bytes at size 0); ``None`` if it does not rise. The nearest, not the bracket's ends: a far end
+  (the whole batch) would pull the line off where memory bends, and the search would creep."""
+  points = sorted(measured, key=lambda size: abs(measured[size] - budget))[:2]
   if len(points) == 1:
     (s1, m1), (s0, m0) = (points[0], measured[points[0]]), (0, fixed)
   else:
-    (s0, m0), (s1, m1) = [(s, measured[s]) for s in points]
+    (s0, m0), (s1, m1) = sorted((s, measured[s]) for s in points)
   if s1 == s0 or m1 <= m0:
     return None
   slope = (m1 - m0) / (s1 - s0)

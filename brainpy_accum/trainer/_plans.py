@@ -10,6 +10,8 @@ calls back into the trainer's steps.
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
+import jax
+import numpy as np
 from tqdm import tqdm
 
 from ..core._batch import BatchLayout, batch_layout
@@ -155,6 +157,9 @@ class Planning:
     if batch_size in self.stream_chunks:
       return self.memory_plans[self.stream_chunks[batch_size]][0]
     if batch_size not in self.memory_plans:
+      if may_stream and batch_size > 1 and self._argument_bytes(inputs, targets) > self.memory_budget:
+        # arithmetic, no compilation: the step's arguments alone exceed the budget, so no cut of it fits
+        return self._plan_stream(layout, shared_args, inputs, targets, step_time, compilers, None)
       try:
         self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
       except ValueError as error:
@@ -162,6 +167,13 @@ class Planning:
           raise
         return self._plan_stream(layout, shared_args, inputs, targets, step_time, compilers, error)
     return self.memory_plans[batch_size][0]
+
+  def _argument_bytes(self, inputs, targets) -> int:
+    """Bytes of what the train step takes: every Variable (parameters, optimizer and model state), random
+    keys and the batch. A lower bound of the compiled step's memory, known without compiling."""
+    variables = {id(v): v for v in list(self.vars().unique().values()) + random_states(self.target)}
+    leaves = [v.value for v in variables.values()] + jax.tree_util.tree_leaves((inputs, targets))
+    return sum(int(getattr(x, 'nbytes', 0)) for x in leaves)  # typed random keys: the bytes of their data
 
   def _plan_batch(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
                   via_window: bool = False) -> None:
@@ -278,7 +290,7 @@ class Planning:
       below = size
 
   def _plan_stream(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
-                   error: ValueError) -> MicroBatchPlan:
+                   error: Optional[ValueError]) -> MicroBatchPlan:
     """The batch's data does not fit beside its step: stream it from the host in chunks (:mod:`~brainpy_accum.memory._stream`).
 
     Of the chunk sizes whose step fits, the one with the largest micro-batches (the fewest sequential
@@ -294,6 +306,8 @@ class Planning:
                       ((inputs, layout.input_axes), (targets, layout.target_axes))]
         if chunk not in self.memory_plans:
           self.target.reset(chunk)  # the chunk's step takes the model state at the chunk's size
+          if self._argument_bytes(*chunk_data) > self.memory_budget:
+            continue  # its arguments alone exceed the budget: nothing to compile
           try:
             self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, compilers,
                              via_window=True)
@@ -303,6 +317,9 @@ class Planning:
         if self.memory_plans[chunk][0].num_micro_batches == 1:
           break
     if not fitting:
+      if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
+        self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
+        return self.memory_plans[batch_size][0]
       raise error
     chunk = max(fitting, key=lambda c: (self.memory_plans[c][0].micro_batch_size, c))
     self.stream_chunks[batch_size] = chunk
