@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ['TRAINERS', 'TARGETS', 'run_one', 'measure_startup', 'startup_section']
+__all__ = ['TRAINERS', 'TARGETS', 'STARTUP_HEADER', 'run_one', 'measure_startup', 'startup_section']
 
 TRAINERS: Dict[str, dict] = {
   'bp.BPTT': {},
@@ -32,6 +32,18 @@ TRAINERS: Dict[str, dict] = {
 TARGETS = {'AccumBPTT(num_micro_batch=4)': (1.3, None), "'auto', memory_budget='24MiB'": (2.0, 1.5),
            "'auto', remat='auto', 24MiB": (3.0, 1.5), "'auto', remat='auto', 8MiB (streamed)": (4.0, None)}
 SHAPE = dict(batch=256, time=100, inputs=64, hidden=256, classes=10, batches=2)
+STARTUP_HEADER = (
+  '## Start-up: time to the first epoch\n\n'
+  'Made by `python -m brainpy_accum.bench.startup` (also the `startup` part of `python -m brainpy_accum.bench`). '
+  'Rate RNN (`bp.dyn.RNNCell` + `bp.dnn.Dense` read-out), batch 256, T=100, 64 inputs, 256 hidden, 10 classes, '
+  'cross-entropy of the last step, Adam, 2 batches; each run a fresh process, timed from building the trainer '
+  'to the end of the first epoch (imports and data excluded). Each trainer has its own cache folder: its first '
+  'run starts with the folder empty, its rerun finds what the first left. Both runs have JAX\'s persistent '
+  'compilation cache on, bp.BPTT\'s too (`JAX_COMPILATION_CACHE_DIR`, every compilation kept: '
+  '`JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0`), and AccumBPTT its plan cache (`BRAINPY_ACCUM_CACHE_DIR`). '
+  'Trainers alternate within a round (order reversed every other round); ratios are medians of per-round '
+  'ratios to bp.BPTT, quartiles in brackets; "compilations" counts every XLA compilation in the timed span '
+  '(cache hits included), bp.BPTT\'s included.')
 
 
 def _child(options: dict, shape: dict) -> dict:
