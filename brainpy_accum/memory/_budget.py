@@ -111,9 +111,10 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
 
   Every answer is measured, never predicted: the size returned was measured to fit. Only the next larger
   size may go unmeasured, when the line, whose error at the answer is known, puts it over the budget by a
-  wide margin (5% of the budget and twice that error); then that size is taken as not fitting. After two
-  probes in a row that contradict their prediction the next is a bisection step, so the search stays
-  within a few probes of a bisection even where memory is far from a line. Assumes memory grows with the size, as bisection does.
+  margin (the larger of 5% of the budget and that error); then that size is taken as not fitting (at
+  worst one micro-batch more than needed, never a step that does not fit). After two probes in a row that
+  contradict their prediction the next is a bisection step, so the search stays within a few probes of a
+  bisection even where memory is far from a line. Assumes memory grows with the size, as bisection does.
   ``measure_pick``, if given, measures the sizes the line predicts to fit (the likely answer; the trainer compiles
   those as training runs them, so that the answer's compilation is the one training uses); ``measure``
   the others (the first probe and bisection steps).
@@ -147,7 +148,7 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
     line = _line(measured, fixed, budget)
     if fits and predicted is not None and line is not None:
       next_up, error = sizes[good - 1], abs(total - predicted)
-      if line(next_up) > budget + max(2 * error, 0.05 * budget):
+      if line(next_up) > budget + max(error, 0.05 * budget):
         break  # the next larger size is over the budget by far more than the line's error at the answer
     index, predicted = _next_probe(sizes, bad, good, budget, line, bisect=contradicted >= 2 or line is None)
   if good == len(sizes):
