@@ -114,8 +114,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     data['startup'] = {'results': measure_startup(rounds=args.startup_rounds), 'load': f'{startup_load} before, '
                        f'{_load()} after'}
   if 'steps' in args.parts:
-    data['results'], data['largest'] = _steps(args, shape, stored, data)
-    data['header'] = header(args, shape, time.time() - started, load_before)
+    kept = [r for r in data.get('results', []) if r['workload'] not in args.workloads]  # workloads not rerun
+    results, largest = _steps(args, shape, stored, data)
+    data['results'], data['largest'] = kept + results, dict(data.get('largest', {}), **largest)
+    if not kept:
+      data['header'] = header(args, shape, time.time() - started, load_before)
+    else:
+      data['header'] = data.get('header', '# Benchmark') + (
+        f'\n- Workloads {", ".join(args.workloads)}: measured in a later run (`--parts steps --workloads '
+        f'{" ".join(args.workloads)}{" --column" if args.column else ""}`, {args.rounds} rounds, '
+        f'{time.time() - started:.0f} s), load average {load_before} before, {_load()} after.')
   if 'planner' in args.parts:
     data['planner'] = measure_planner('rnn', rounds=3 if args.quick else 7,
                                       **({'shape': QUICK._replace(time=40), 'counts': (1, 2, 4)} if args.quick else {}))
@@ -124,21 +132,25 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                                      'stream_factor': 4} if args.quick else {}))
   with open(stored, 'w') as f:
     json.dump(data, f, indent=1)
+  print(write_report(data, args.out))
+
+
+def write_report(data: dict, out: str) -> str:
+  """benchmark.md (and its figures) in ``out`` from the measurements ``data`` (benchmark.json's content)."""
   report = markdown_report(data.get('results', []), data.get('largest', {}), data.get('header', '# Benchmark'))
   if data.get('startup'):
     report += '\n' + STARTUP_HEADER + '\n\n' + startup_section(data['startup']['results'], data['startup']['load']) + '\n'
-
   if data.get('planner'):
     report += '\n' + planner_section(data['planner']) + '\n\n![plans and picks](benchmark_planner.png)\n'
-    plot_planner(data['planner'], os.path.join(args.out, 'benchmark_planner.png'))
+    plot_planner(data['planner'], os.path.join(out, 'benchmark_planner.png'))
   if data.get('streaming'):
     report += '\n' + data['streaming'] + '\n'
-  with open(os.path.join(args.out, 'benchmark.md'), 'w') as f:
+  with open(os.path.join(out, 'benchmark.md'), 'w') as f:
     f.write(report + '\n')
   if data.get('results'):
-    plot(data['results'], os.path.join(args.out, 'benchmark.png'),
+    plot(data['results'], os.path.join(out, 'benchmark.png'),
          title=f'{_cpu_model()}, {os.cpu_count()} cores; jax {jax.__version__}, brainpy {brainpy.__version__}')
-  print(report)
+  return report
 
 
 def _steps(args, shape: Shape, stored: str, data: dict):
@@ -158,8 +170,9 @@ def _steps(args, shape: Shape, stored: str, data: dict):
         sizes[f'accum N={n}'] = largest_batch_within(budget, 'accum', workload, shape, n, precision=0.02)
       print(f'{workload}: largest effective batch within {args.budget}: {sizes}', flush=True)
       largest[workload] = sizes
-    with open(stored, 'w') as f:  # after each workload: a long run keeps its part
-      json.dump(dict(data, results=results, largest=largest), f, indent=1)
+    with open(stored, 'w') as f:  # after each workload: a long run keeps its part (and the workloads not rerun)
+      kept = [r for r in data.get('results', []) if r['workload'] not in args.workloads]
+      json.dump(dict(data, results=kept + results, largest=dict(data.get('largest', {}), **largest)), f, indent=1)
   return results, largest
 
 
