@@ -140,6 +140,7 @@ def write_report(data: dict, out: str) -> str:
   report = markdown_report(data.get('results', []), data.get('largest', {}), data.get('header', '# Benchmark'))
   if data.get('startup'):
     report += '\n' + STARTUP_HEADER + '\n\n' + startup_section(data['startup']['results'], data['startup']['load']) + '\n'
+    report += ''.join(f'\n{note}\n' for note in data['startup'].get('notes', []))  # measured separately, as stated
   if data.get('planner'):
     report += '\n' + planner_section(data['planner']) + '\n\n![plans and picks](benchmark_planner.png)\n'
     plot_planner(data['planner'], os.path.join(out, 'benchmark_planner.png'))
