@@ -160,8 +160,12 @@ class Planning:
       if may_stream and batch_size > 1 and self._argument_bytes(inputs, targets) > self.memory_budget:
         # arithmetic, no compilation: the step's arguments alone exceed the budget, so no cut of it fits
         return self._plan_stream(layout, shared_args, inputs, targets, step_time, compilers, None)
+      variables = list(self.vars().unique().values()) + random_states(self.target)
       try:
-        self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
+        with values_restored(variables, any_shape=True):  # the reset draws random numbers: all is put back
+          if self.mesh is None:  # (on a mesh fit has placed the state, at the batch size, before planning)
+            self.target.reset(batch_size)  # the search compiles the whole batch's step: the state at that size
+          self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
       except ValueError as error:
         if not may_stream or batch_size == 1:
           raise
