@@ -44,6 +44,9 @@ def _share_compilations(config):
     os.environ['XLA_FLAGS'] = f'{flags} --xla_backend_optimization_level=0'.strip()
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+  # AccumBPTT's own caches (the plan cache, its default JAX cache folder under ~/.cache) stay off: a test that
+  # plans must plan, and no test writes into the home folder; the cache tests name a temporary folder.
+  os.environ.setdefault('BRAINPY_ACCUM_CACHE', '0')
   if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
     folder = tempfile.mkdtemp(prefix='brainpy_accum_jax_cache_')
     os.environ['JAX_COMPILATION_CACHE_DIR'] = folder

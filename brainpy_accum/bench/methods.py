@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from ..trainer import AccumBPTT
-from .workloads import Shape, jax_loss, jax_params, make_batch, make_brainpy_model
+from .workloads import Shape, jax_loss, jax_params, last_step_only, make_batch, make_brainpy_model
 
 __all__ = ['Step', 'build_step']
 
@@ -37,13 +37,13 @@ def _block(trainer, out):
   jax.block_until_ready((out, [v.value for v in trainer.target.train_vars().unique().values()]))
 
 
-def _device_batch(shape: Shape):
+def _device_batch(shape: Shape, workload: str = 'rnn'):
   """The batch as device arrays, made once: no method pays a host-to-device copy inside its timed step."""
-  return tuple(jnp.asarray(a) for a in make_batch(shape))
+  return tuple(jnp.asarray(a) for a in make_batch(shape, workload=workload))
 
 
-def _trainer_step(trainer, shape: Shape, abstract_data: bool) -> Step:
-  x, y = make_batch(shape, abstract=True) if abstract_data else _device_batch(shape)
+def _trainer_step(trainer, shape: Shape, abstract_data: bool, workload: str = 'rnn') -> Step:
+  x, y = make_batch(shape, abstract=True, workload=workload) if abstract_data else _device_batch(shape, workload)
 
   def run():
     trainer.target.reset(shape.batch)
@@ -60,18 +60,26 @@ def _mse(predicts, targets):
   return bp.losses.mean_squared_error(predicts, targets)
 
 
+def _last_step_cross_entropy(predicts, targets):
+  return bp.losses.cross_entropy_loss(predicts[:, -1], targets)
+
+
+def _loss(workload: str):
+  return _last_step_cross_entropy if last_step_only(workload) else _mse
+
+
 def _recipe_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
   model = make_brainpy_model(workload, shape)
   optimizer = bp.optim.Adam(lr=LEARNING_RATE, train_vars=model.train_vars().unique())
   train_vars = model.train_vars().unique()
   micro = shape.batch // num_micro_batch
-  x, y = _device_batch(shape)
+  x, y = _device_batch(shape, workload)
   xs = x.reshape((num_micro_batch, micro) + x.shape[1:])
   ys = y.reshape((num_micro_batch, micro) + y.shape[1:])
 
   def loss(xb, yb):
     outs = bm.for_loop(model.step_run, (jnp.arange(shape.time), jnp.swapaxes(xb, 0, 1)))
-    return _mse(jnp.swapaxes(outs, 0, 1), yb)
+    return _loss(workload)(jnp.swapaxes(outs, 0, 1), yb)
 
   def body(acc, batch):
     model.reset(micro)
@@ -100,7 +108,7 @@ def _jax_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
   tx = optax.adam(LEARNING_RATE)
   state = {'params': jax_params(shape)}
   state['opt'] = tx.init(state['params'])
-  x, y = _device_batch(shape)
+  x, y = _device_batch(shape, workload)
   micro = shape.batch // num_micro_batch
   xs = x.reshape((num_micro_batch, micro) + x.shape[1:])
   ys = y.reshape((num_micro_batch, micro) + y.shape[1:])
@@ -136,8 +144,8 @@ def build_step(method: str, workload: str, shape: Shape, num_micro_batch: int = 
   model = make_brainpy_model(workload, shape)
   optimizer = bp.optim.Adam(lr=LEARNING_RATE)
   if method == 'bptt':
-    trainer = bp.BPTT(model, _mse, optimizer=optimizer, progress_bar=False)
+    trainer = bp.BPTT(model, _loss(workload), optimizer=optimizer, progress_bar=False)
   else:
-    trainer = AccumBPTT(model, _mse, optimizer=optimizer, num_micro_batch=num_micro_batch, remat=remat,
+    trainer = AccumBPTT(model, _loss(workload), optimizer=optimizer, num_micro_batch=num_micro_batch, remat=remat,
                         progress_bar=False)
-  return _trainer_step(trainer, shape, abstract_data)
+  return _trainer_step(trainer, shape, abstract_data, workload)

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ['Shape', 'RateRNN', 'SpikingRNN', 'make_brainpy_model', 'make_batch', 'jax_params', 'jax_loss']
+__all__ = ['Shape', 'RateRNN', 'SpikingRNN', 'WORKLOADS', 'last_step_only', 'make_brainpy_model', 'make_batch',
+           'jax_params', 'jax_loss']
 
 
 class Shape(NamedTuple):
@@ -46,22 +47,36 @@ class SpikingRNN(bp.DynamicalSystem):
     return self.readout(self.lif(self.i2h(x) + self.h2h(self.lif.spike.value)))
 
 
+WORKLOADS = ('rnn', 'snn', 'rnn_ce', 'snn_ce')  # '_ce': cross-entropy of the last step's read-out, class labels
+
+
+def last_step_only(workload: str) -> bool:
+  """Whether ``workload``'s loss is the cross-entropy of the last step's read-out (the read-out still runs at
+  every step, in BrainPy and in plain JAX alike)."""
+  return workload.endswith('_ce')
+
+
 def make_brainpy_model(workload: str, shape: Shape, seed: int = 0) -> bp.DynamicalSystem:
   bm.random.seed(seed)
   with bm.training_environment():
-    return {'rnn': RateRNN, 'snn': SpikingRNN}[workload](shape)
+    return {'rnn': RateRNN, 'snn': SpikingRNN}[workload.replace('_ce', '')](shape)
 
 
-def make_batch(shape: Shape, seed: int = 0, abstract: bool = False):
-  """Random ``(batch, time, inputs)`` inputs and ``(batch, time, outputs)`` targets, float32.
+def make_batch(shape: Shape, seed: int = 0, abstract: bool = False, workload: str = 'rnn'):
+  """Random ``(batch, time, inputs)`` inputs and ``(batch, time, outputs)`` targets, float32 (``'_ce'``
+  workloads: ``(batch,)`` int32 class labels).
 
   With ``abstract=True``, ``jax.ShapeDtypeStruct`` placeholders for compiling ahead of time.
   """
+  labels = last_step_only(workload)
   if abstract:
     return (jax.ShapeDtypeStruct((shape.batch, shape.time, shape.inputs), jnp.float32),
+            jax.ShapeDtypeStruct((shape.batch,), jnp.int32) if labels else
             jax.ShapeDtypeStruct((shape.batch, shape.time, shape.outputs), jnp.float32))
   rng = np.random.RandomState(seed)
   x = rng.rand(shape.batch, shape.time, shape.inputs).astype('float32')
+  if labels:
+    return x, rng.randint(0, shape.outputs, shape.batch).astype('int32')
   y = rng.rand(shape.batch, shape.time, shape.outputs).astype('float32')
   return x, y
 
@@ -102,11 +117,15 @@ def _snn_step(params, carry, x, dt=0.1, tau=5.):
 
 
 def jax_loss(workload: str, params, x, y):
-  """Mean-squared error of a batch ``x`` (batch, time, inputs) run with ``lax.scan`` over time."""
+  """Mean-squared error of a batch ``x`` (batch, time, inputs) run with ``lax.scan`` over time (``'_ce'``:
+  cross-entropy of the last step's read-out with the labels ``y``)."""
   batch, hidden = x.shape[0], params['wh'].shape[0]
-  if workload == 'rnn':
+  if workload.startswith('rnn'):
     step, carry = _rnn_step, jnp.zeros((batch, hidden))
   else:
     step, carry = _snn_step, (jnp.zeros((batch, hidden)), jnp.zeros((batch, hidden)))
   _, outs = jax.lax.scan(lambda c, xt: step(params, c, xt), carry, jnp.swapaxes(x, 0, 1))
+  if last_step_only(workload):
+    log_p = jax.nn.log_softmax(outs[-1])
+    return -jnp.mean(jnp.take_along_axis(log_p, y[:, None], axis=1))
   return jnp.mean((outs - jnp.swapaxes(y, 0, 1)) ** 2)

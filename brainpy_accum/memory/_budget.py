@@ -9,12 +9,12 @@ whose compiled step fits the budget. The memory of a compiled step is
 """
 
 import re
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..core._cut import is_int
 
 __all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes',
-           'largest_fitting', 'choose_micro_batch_size']
+           'largest_fitting', 'choose_micro_batch_size', 'StepMemory', 'memory_parts', 'step_memory']
 
 _UNITS = {'': 1, 'B': 1, 'KB': 10 ** 3, 'MB': 10 ** 6, 'GB': 10 ** 9, 'TB': 10 ** 12,
           'KIB': 2 ** 10, 'MIB': 2 ** 20, 'GIB': 2 ** 30, 'TIB': 2 ** 40}
@@ -78,35 +78,118 @@ def candidate_micro_batch_sizes(batch_size: int) -> List[int]:
   return sorted({-(-batch_size // n) for n in range(1, batch_size + 1)}, reverse=True)
 
 
-def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], int]) -> Optional[Tuple[int, int]]:
+class StepMemory(NamedTuple):
+  """A compiled step's memory: ``total`` must fit the budget; ``fixed`` (arguments + outputs - aliases: the
+  parameters, the optimizer state, the whole batch's data) does not change with the micro-batch size."""
+  total: int
+  fixed: int = 0
+
+
+def memory_parts(value) -> Tuple[int, int]:
+  """``(total, fixed)`` of a :class:`StepMemory`, or ``(value, 0)`` of plain bytes."""
+  return (value.total, value.fixed) if isinstance(value, StepMemory) else (int(value), 0)
+
+
+def step_memory(compiled) -> StepMemory:
+  """:func:`compiled_step_bytes` of ``compiled``, and the part of it that does not grow with the micro-batch."""
+  stats = compiled.memory_analysis()
+  fixed = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+  return StepMemory(fixed + stats.temp_size_in_bytes, fixed)
+
+
+def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], Union[int, StepMemory]], *,
+                    measure_pick: Optional[Callable[[int], Union[int, StepMemory]]] = None
+                    ) -> Optional[Tuple[int, int]]:
   """``(size, bytes)`` of the largest of ``sizes`` (largest first) whose ``measure`` fits ``budget``, or ``None``.
 
-  Binary search, assuming memory grows with the size: the smallest size is
-  measured first, then about ``log2(len(sizes))`` more.
+  Few measurements (each is a compilation): a step's memory is close to affine in the micro-batch size, so
+  each probe is the largest size that a line through the measurements nearest the budget predicts to fit::
+
+    probe the largest size; if it fits, done
+    repeat: line through the two measurements nearest the budget (from one: through the fixed bytes at
+            size 0); probe the largest size between those known to fit and not to that it predicts to fit
+            (after two wrong predictions in a row: the middle of the sizes left)
+    until the largest size known to fit is next to the smallest known not to
+
+  Every answer is measured, never predicted: the size returned was measured to fit. Only the next larger
+  size may go unmeasured, when the line, whose error at the answer is known, puts it over the budget by a
+  margin (the larger of 5% of the budget and that error); then that size is taken as not fitting (at
+  worst one micro-batch more than needed, never a step that does not fit). After two probes in a row that
+  contradict their prediction the next is a bisection step, so the search stays within a few probes of a
+  bisection even where memory is far from a line. Assumes memory grows with the size, as bisection does.
+  ``measure_pick``, if given, measures the sizes the line predicts to fit (the likely answer; the trainer compiles
+  those as training runs them, so that the answer's compilation is the one training uses); ``measure``
+  the others (the first probe and bisection steps).
+
+  Examples
+  --------
+  >>> sizes = list(range(100, 0, -1))
+  >>> probed = []
+  >>> largest_fitting(sizes, 500, lambda s: probed.append(s) or 100 + 5 * s)
+  (80, 500)
+  >>> len(probed) < 7  # bisection of 100 sizes probes 7
+  True
   """
-  measured = {}
-
-  def fits(i):
-    measured[sizes[i]] = measure(sizes[i])
-    return measured[sizes[i]] <= budget
-
-  low, high = 0, len(sizes) - 1
-  if not fits(high):
-    return None
-  while low < high:
-    middle = (low + high) // 2
-    if fits(middle):
-      high = middle
+  measured = {}  # size -> total bytes
+  fixed = 0
+  bad, good = -1, len(sizes)  # indices: sizes[bad] known not to fit, sizes[good] known to fit
+  index, predicted, contradicted = 0, None, 0
+  while True:
+    likely_answer = predicted is not None and predicted <= budget and measure_pick is not None
+    measure_now = measure_pick if likely_answer else measure
+    total, fixed_part = memory_parts(measure_now(sizes[index]))
+    measured[sizes[index]], fixed = total, max(fixed, fixed_part)
+    fits = total <= budget
+    contradicted = contradicted + 1 if predicted is not None and (predicted <= budget) != fits else 0
+    if fits:
+      good = index
     else:
-      low = middle + 1
-  return sizes[low], measured[sizes[low]]
+      bad = index
+    if good == bad + 1:
+      break
+    line = _line(measured, fixed, budget)
+    if fits and predicted is not None and line is not None:
+      next_up, error = sizes[good - 1], abs(total - predicted)
+      if line(next_up) > budget + max(error, 0.05 * budget):
+        break  # the next larger size is over the budget by far more than the line's error at the answer
+    index, predicted = _next_probe(sizes, bad, good, budget, line, bisect=contradicted >= 2 or line is None)
+  if good == len(sizes):
+    return None
+  return sizes[good], measured[sizes[good]]
 
 
-def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int], int]) -> Tuple[int, int]:
+def _line(measured: dict, fixed: int, budget: int) -> Optional[Callable[[int], float]]:
+  """Bytes as a line in the size through the two measurements nearest the budget in bytes (from one: through
+  the fixed bytes at size 0); ``None`` if it does not rise. The nearest, not the bracket's ends: a far end
+  (the whole batch) would pull the line off where memory bends, and the search would creep."""
+  points = sorted(measured, key=lambda size: abs(measured[size] - budget))[:2]
+  if len(points) == 1:
+    (s1, m1), (s0, m0) = (points[0], measured[points[0]]), (0, fixed)
+  else:
+    (s0, m0), (s1, m1) = sorted((s, measured[s]) for s in points)
+  if s1 == s0 or m1 <= m0:
+    return None
+  slope = (m1 - m0) / (s1 - s0)
+  return lambda size: m0 + slope * (size - s0)
+
+
+def _next_probe(sizes, bad: int, good: int, budget: int, line, bisect: bool) -> Tuple[int, Optional[float]]:
+  """The index to measure next, strictly between ``bad`` and ``good``, and the bytes the line predicts there."""
+  if bisect:
+    return (bad + good) // 2, None
+  inside = [i for i in range(bad + 1, good) if line(sizes[i]) <= budget]
+  index = inside[0] if inside else good - 1
+  return index, line(sizes[index])
+
+
+def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int], Union[int, StepMemory]], *,
+                            measure_pick: Optional[Callable[[int], Union[int, StepMemory]]] = None,
+                            below: Optional[int] = None) -> Tuple[int, int]:
   """Return ``(micro_batch_size, bytes)``: the largest candidate whose ``measure`` fits ``budget``.
 
-  Binary search over :func:`candidate_micro_batch_sizes`, assuming memory
-  grows with the micro-batch size; each probe is one ahead-of-time compilation.
+  :func:`largest_fitting` over :func:`candidate_micro_batch_sizes`, assuming memory
+  grows with the micro-batch size; each probe is one ahead-of-time compilation. ``measure_pick``: see
+  :func:`largest_fitting`; ``below``: only sizes smaller than this (after a wrong measurement was corrected).
 
   Raises
   ------
@@ -115,13 +198,18 @@ def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int
   """
   measured = {}
 
-  def measure_recorded(size):
-    measured[size] = measure(size)
-    return measured[size]
+  def recorded(measure_):
+    def measure_recorded(size):
+      value = measure_(size)
+      measured[size] = memory_parts(value)[0]
+      return value
+    return measure_recorded
 
-  found = largest_fitting(candidate_micro_batch_sizes(batch_size), budget, measure_recorded)
+  sizes = [size for size in candidate_micro_batch_sizes(batch_size) if below is None or size < below]
+  found = largest_fitting(sizes, budget, recorded(measure),
+                          measure_pick=None if measure_pick is None else recorded(measure_pick)) if sizes else None
   if found is None:
-    need = measured[1]
+    need = measured.get(1, budget + 1)
     raise ValueError(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
                      f'one sample need {format_memory(need)} ({need} bytes) for a batch of '
                      f'{batch_size}. Raise memory_budget to at least {need}, or use remat=True.')

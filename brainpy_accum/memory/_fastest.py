@@ -18,7 +18,7 @@ import time
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..core._cut import describe_remat
-from ._budget import candidate_micro_batch_sizes, format_memory, largest_fitting
+from ._budget import StepMemory, memory_parts, candidate_micro_batch_sizes, format_memory, largest_fitting
 
 __all__ = ['Candidate', 'REMAT_OPTIONS', 'choose_fastest_plan', 'time_steps', 'describe_choice']
 
@@ -42,15 +42,18 @@ def finer_sizes(batch_size: int, size: int, finer: int) -> List[int]:
   return sorted({s for s in sizes if s <= size}, reverse=True)
 
 
-def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Remat], int],
+def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Remat], Union[int, StepMemory]],
                         step_time: Callable[[Sequence[Tuple[int, Remat]]], Sequence[float]], *,
-                        remat_options: Sequence[Remat] = REMAT_OPTIONS, finer: int = 2
+                        remat_options: Sequence[Remat] = REMAT_OPTIONS, finer: int = 2,
+                        measure_pick: Optional[Callable[[int, Remat], Union[int, StepMemory]]] = None
                         ) -> Tuple[Candidate, List[Candidate]]:
   """Return ``(chosen, weighed)``: the fastest fitting candidate and every candidate weighed.
 
   ``measure(size, remat)`` gives the bytes of the step compiled for micro-batches of ``size`` with that
-  remat; ``step_time(pairs)`` the step time of each ``(size, remat)`` pair (called once, with all the
-  fitting ones, so that they can be timed in interleaved rounds).
+  remat (``measure_pick`` those of the sizes the search predicts to be the answer, see
+  :func:`~brainpy_accum.memory._budget.largest_fitting`); each size is measured once. ``step_time(pairs)``
+  gives the step time of each ``(size, remat)`` pair (called once, with all the fitting ones, so that they
+  can be timed in interleaved rounds). ``finer``: also weigh 2, 4, ... ``2**finer`` times the micro-batches.
 
   Raises
   ------
@@ -65,24 +68,29 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
   >>> chosen.micro_batch_size, chosen.remat, chosen.seconds
   (64, True, 1.3)
   """
-  weighed, largest, one_sample = [], {}, []
+  weighed, largest, one_sample, measured, kept = [], {}, [], {}, {}  # measured: totals; kept: as measure gave them
+
+  def recorded(measure_):
+    def measure_one(size, remat):
+      if (size, remat) not in kept:
+        kept[size, remat] = measure_(size, remat)
+        measured[size, remat] = memory_parts(kept[size, remat])[0]
+      return kept[size, remat]
+    return measure_one
+
   for remat in remat_options:
-    measured = {}
-
-    def measure_one(size, remat=remat, measured=measured):
-      measured[size] = measure(size, remat)
-      return measured[size]
-
     # remat plans only matter above the largest micro-batch that fits without remat: at or below it, that is faster
     sizes = [size for size in candidate_micro_batch_sizes(batch_size) if not remat or size > largest.get(False, 0)]
-    found = largest_fitting(sizes, budget, measure_one) if sizes else None
+    of_remat = lambda measure_, remat=remat: (lambda size: recorded(measure_)(size, remat))
+    found = largest_fitting(sizes, budget, of_remat(measure),
+                            measure_pick=None if measure_pick is None else of_remat(measure_pick)) if sizes else None
     if found is not None:
       largest[remat] = found[0]
-    elif 1 in measured:
-      one_sample.append(measured[1])
-    too_big = [size for size, used in measured.items() if used > budget]
+    elif (1, remat) in measured:
+      one_sample.append(measured[1, remat])
+    too_big = [size for (size, r), used in measured.items() if r == remat and used > budget]
     if too_big:  # the boundary: the smallest micro-batch that did not fit
-      weighed.append(Candidate(min(too_big), remat, measured[min(too_big)], False))
+      weighed.append(Candidate(min(too_big), remat, measured[min(too_big), remat], False))
   if not largest:
     need = min(one_sample)
     raise ValueError(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
@@ -91,19 +99,20 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
   without_remat = largest.get(False, 0)
   pairs = [(size, remat) for remat, top in largest.items() for size in finer_sizes(batch_size, top, finer)
            if not remat or size > without_remat]  # a cut that fits without remat is faster without it
-  used = [measure(size, remat) for size, remat in pairs]
+  used = [memory_parts(recorded(measure)(size, remat))[0] for size, remat in pairs]
   fitting = [pair for pair, bytes_ in zip(pairs, used) if bytes_ <= budget]
-  seconds = dict(zip(fitting, step_time(fitting)))
+  # one fitting candidate wins untimed: trial steps would only cost time
+  seconds = dict(zip(fitting, step_time(fitting))) if len(fitting) > 1 else {fitting[0]: None}
   weighed += [Candidate(size, remat, bytes_, (size, remat) in seconds, seconds.get((size, remat)))
               for (size, remat), bytes_ in zip(pairs, used)]
   weighed.sort(key=lambda c: (bool(c.remat), -c.micro_batch_size))
-  return min((c for c in weighed if c.fits), key=lambda c: c.seconds), weighed
+  return min((c for c in weighed if c.fits), key=lambda c: c.seconds or 0.), weighed
 
 
-def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3) -> List[float]:
+def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3, warm_up: bool = True) -> List[float]:
   """Median seconds of each ``run()`` (which must block until done): one warm-up each, then ``rounds``
   interleaved rounds, so that a slow moment of the machine slows every candidate alike."""
-  for run in runs:
+  for run in runs if warm_up else ():
     run()
   times = [[] for _ in runs]
   for _ in range(rounds):
@@ -125,8 +134,9 @@ def describe_choice(batch_size: int, budget: int, chosen: Candidate, weighed: Se
     lines.append(f'  {c.micro_batch_size:>11}  {describe_remat(c.remat):<20} {format_memory(c.bytes):>10}  '
                  f'{shown:>9}  {"yes" if c.fits else "no"}{mark}')
   memory_only = max((c for c in weighed if c.fits and not c.remat), key=lambda c: c.micro_batch_size, default=None)
-  why = f'chose micro-batches of {chosen.micro_batch_size}, remat {describe_remat(chosen.remat)}: the fastest that fits'
-  if memory_only is not None and memory_only != chosen:
+  why = f'chose micro-batches of {chosen.micro_batch_size}, remat {describe_remat(chosen.remat)}: ' + (
+    'the only candidate that fits' if chosen.seconds is None else 'the fastest that fits')
+  if memory_only is not None and memory_only != chosen and chosen.seconds:
     why += (f'; the fewest micro-batches without remat ({memory_only.micro_batch_size} each) take '
             f'{memory_only.seconds / chosen.seconds:.2f}x as long')
   return '\n'.join(lines + [why])

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Uni
 import brainpy as bp
 import brainpy.math as bm
 import brainstate
+import brainstate.environ
 import jax
 import jax.numpy as jnp
 from brainpy import tools
@@ -33,15 +34,16 @@ from ..core._mesh import auto_axes, check_mesh, place, random_states
 from ..core._states import values_restored, whole_batch_variables
 from ..core._shapes import traced_shapes
 from ..core._two_pass import Devices, two_pass_sums
-from ..diagnostics._compiles import Compilations
-from ..memory._budget import compiled_step_bytes, parse_memory
+from ..diagnostics._compiles import QUICK_COMPILE, Compilations
+from ..memory._budget import StepMemory, compiled_step_bytes, parse_memory, step_memory
+from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
 from ._arguments import (check_accumulation_args, check_remat, check_update_args, check_whole_batch_loss,
                          warn_batch_statistics)
 from ._coupled_loss import check_first_batch
 from ._fit_loop import TrainerParts
 from ._fit_loop import fit as run_fit
 from ._model_loss import ModelLoss
-from ._plans import Compilers, Planning
+from ._plans import Compilers, PlannedStep, Planning
 from ._sharded import on_mesh
 from ._step import Settled, batch_sums, micro_step, same, settle
 from ._update import clip_by_global_norm, guarded_update
@@ -184,6 +186,16 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     batch's array, as :class:`brainpy.BPTT` records them. At the first batch
     :meth:`fit` checks that each scalar metric of the whole batch equals its
     combination and warns, naming the metric, if it does not.
+  cache : bool, str or os.PathLike
+    Caches that make a rerun of the same script start fast: JAX's
+    persistent compilation cache (in ``<folder>/jax``, only if JAX has no
+    cache folder yet: ``JAX_COMPILATION_CACHE_DIR`` or ``jax.config`` are
+    kept) and, with ``num_micro_batch='auto'``, the memory planner's plans
+    (``<folder>/plans``, keyed by the model, batch, options, versions and
+    device; a cached plan's step is compiled and measured again, never
+    trusted). ``True`` (default): the folder ``BRAINPY_ACCUM_CACHE_DIR``, else
+    ``~/.cache/brainpy_accum``, none if ``BRAINPY_ACCUM_CACHE=0``; ``False``:
+    no caches; a path: that folder.
   **kwargs
     Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
     ``jit``, ``data_first_axis``, ``progress_bar``, ...).
@@ -235,11 +247,13 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
       mesh_axis: Optional[str] = None,
       whole_batch_loss: bool = False,
       aux_reduction: Optional[Dict[str, str]] = None,
+      cache: Union[bool, str, os.PathLike] = True,
       **kwargs,
   ):
     num_micro_batch, micro_batch_size, target_batch_axis, remat = map(  # NumPy integers work as ints
       as_int, (num_micro_batch, micro_batch_size, target_batch_axis, remat))
     self.mesh_axis = check_mesh(mesh, mesh_axis)
+    folder = cache_folder(cache)  # checks the argument before anything changes
     if remat == 'auto' and mesh is not None:
       raise ValueError("remat='auto' is not supported with a mesh (its trial steps run unsharded): choose remat=True "
                        "or False with mesh=..., or drop the mesh.")
@@ -265,6 +279,10 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
     self.skip_nonfinite, self.whole_batch_loss, self._loss_checked = skip_nonfinite, whole_batch_loss, whole_batch_loss
     self.mesh = None if mesh is None else auto_axes(mesh)
+    self.cache_folder = folder
+    if self.cache_folder is not None:
+      use_compilation_cache(self.cache_folder)
+    self._plan_cache = PlanCache(self.cache_folder) if self.cache_folder and num_micro_batch == 'auto' else None
     self._init_steps()
     warn_batch_statistics(self.target)
 
@@ -283,6 +301,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
     self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
     self._jit_step_func_close = bm.jit(self._step_func_close, static_argnums=(0,))
+    self._kept_steps: Dict[int, Any] = {}  # batch size -> the planner's compiled train step, which fit runs
 
   @property
   def _needs_window(self) -> bool:
@@ -441,10 +460,40 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     """
     shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
     return self._plan_memory(inputs, targets, shared_args, step_time,
-                             Compilers(self.compiled_step_bytes, self._trial), self._may_stream)
+                             Compilers(self._probe_memory, self._planned_step, self._keepable), self._may_stream)
 
-  def _trial(self, plan: MicroBatchPlan, shared_args, inputs, targets):
-    return self.compile_trial(inputs, targets, shared_args, plan=plan)
+  def _probe_memory(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
+    """The planner's quick probe: the step's memory, compiled without optimising its code."""
+    return step_memory(self.compile_step(inputs, targets, shared_args, plan=plan, via_window=via_window, quick=True))
+
+  def _keepable(self, via_window: bool) -> bool:
+    """Whether fit can run the planner's compiled step itself: the plain train step, jitted, without a mesh."""
+    return not via_window and self.accumulate_steps == 1 and self.mesh is None and bool(self.jit[c.FIT_PHASE])
+
+  def _planned_step(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> PlannedStep:
+    """The train step compiled for ``plan`` as fit runs it; its ``keep()`` makes fit run this executable for the
+    batch size, so that the planner's compilation is the training's (no second one)."""
+    batch_size = self._check_batch(inputs, targets).batch_size
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    step = None
+
+    def traced(shared_args, inputs, targets):
+      if any(kept is step for kept in self._kept_steps.values()):  # a retrace of a kept step counts as fit's
+        self.trace_counts['fit'] += 1
+      return self._train_step(shared_args, inputs, targets, plan=plan, via_window=via_window)
+
+    step = bm.jit(traced, static_argnums=(0,))
+    with self._without_time_step_bars(), self._tracing(plan), brainstate.environ.context(fit=True):
+      compiled = step.compile(shared_args, inputs, targets)  # the jit's own call runs this executable
+      values = step.stateful_fun.get_state_trace(shared_args, inputs, targets).get_state_values()
+
+    def keep():
+      if self._keepable(via_window):
+        self._kept_steps[batch_size] = step
+        self.trace_counts['fit'] += 1  # its trace and compilation are fit's: fit will not repeat them
+        self._note_compilations(c.FIT_PHASE, 1)
+
+    return PlannedStep(step_memory(compiled), lambda: jax.block_until_ready(compiled(values, inputs, targets)), keep)
 
   def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
     """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
@@ -456,7 +505,8 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     return compiled_step_bytes(self.compile_step(inputs, targets, shared_args, plan=plan, via_window=via_window))
 
   def compile_step(self, inputs, targets, shared_args: Optional[Dict] = None,
-                   plan: Optional[MicroBatchPlan] = None, update: bool = True, via_window: bool = False):
+                   plan: Optional[MicroBatchPlan] = None, update: bool = True, via_window: bool = False,
+                   quick: bool = False):
     """The train step for this batch shape, compiled ahead of time by XLA; nothing runs, nothing changes.
 
     Returns JAX's compiled object: ``memory_analysis()`` gives its memory
@@ -467,6 +517,8 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     ``update=False`` compiles the step that only adds a batch to the
     ``accumulate_steps`` window; ``via_window=True`` the step that passes its
     gradient through the window (that of a streamed batch's last chunk).
+    ``quick=True`` leaves XLA's code generation unoptimised: faster to compile,
+    slower to run, with the same memory analysis (the planner's probes).
 
     Examples
     --------
@@ -485,7 +537,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     step = bm.jit(functools.partial(self._train_step, plan=plan, update=update, via_window=via_window),
                   static_argnums=(0,))
     with self._without_time_step_bars(), self._tracing(plan):
-      return step.compile(shared_args, inputs, targets)
+      return step.lower(shared_args, inputs, targets).compile(compiler_options=QUICK_COMPILE if quick else None)
 
   def compile_trial(self, inputs, targets, shared_args: Optional[Dict] = None, *, plan: MicroBatchPlan):
     """``(compiled, run)``: the train step compiled for ``plan``, and ``run()``, a trial of it that changes nothing.
@@ -548,7 +600,14 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
 
   def _step_of(self, kind: str):
     """The compiled step that the fit loop runs: ``'loss'``, ``'fit'``, ``'collect'`` or ``'close'``."""
+    if kind == 'fit' and self._kept_steps:
+      return self._kept_or_fit
     return {'loss': self.f_loss, 'fit': self.f_train, 'collect': self._f_collect, 'close': self._f_close}[kind]
+
+  def _kept_or_fit(self, shared_args, inputs, targets):
+    """The train step: the planner's compiled one for this batch size if it kept one, else bp.BPTT's jitted one."""
+    step = self._kept_steps.get(self._check_batch(inputs, targets).batch_size, self.f_train)
+    return step(shared_args, inputs, targets)
 
   @property
   def f_loss(self):

@@ -34,6 +34,7 @@ from ..core._metrics import MetricsError, MetricPlan, finish_metrics, metric_nam
 from ..core._shapes import first_samples
 from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import forward_pass
+from ..diagnostics._compiles import QUICK_COMPILE
 
 __all__ = ['check_first_batch', 'check_loss', 'combined_loss', 'gradient_gaps', 'warn_coupled_gradient',
            'warn_coupled_loss', 'whole_and_combined_loss']
@@ -260,7 +261,8 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
       return whole_and_combined_loss(forward(shared_args), loss_of, weigh, (inputs, targets), axes, plan, states,
                                      reduction, names, declared)
 
-  compare = bm.jit(compare, static_argnums=(0, 1)) if jit else compare
+  # it runs once: compiled quickly (unoptimised code), about half the time of a full compilation on CPU
+  compare = bm.jit(compare, static_argnums=(0, 1), compiler_options=QUICK_COMPILE) if jit else compare
   check_loss(lambda names: compare(names, shared_args, inputs, targets), variables, plan, reduction)
 
 

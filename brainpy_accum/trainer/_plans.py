@@ -8,6 +8,7 @@ calls back into the trainer's steps.
 """
 
 import functools
+import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import jax
@@ -19,24 +20,40 @@ from ..core._batch import BatchLayout, batch_layout, is_array
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import batch_spec, check_divisible, mesh_size, random_states
 from ..core._states import batched_variables, declared_batch_axes, values_restored
-from ..memory._budget import choose_micro_batch_size, compiled_step_bytes, format_memory
+from ..memory._budget import StepMemory, choose_micro_batch_size, format_memory, memory_parts
 from ..memory._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ..memory._oom import finer_plan
 from ..memory._stream import chunk_candidates, host_chunk
+from ._plan_key import plan_key
 from ._target_axes import decide_target_axes, predict_shapes_of
 
-__all__ = ['Compilers', 'Planning']
+__all__ = ['Compilers', 'PlannedStep', 'Planning', 'plural']
+
+
+class PlannedStep(NamedTuple):
+  """A train step compiled for one plan, fully optimised, as :meth:`fit` would compile it."""
+  memory: StepMemory        # its memory by XLA's analysis: what verifies that the plan fits
+  run: Callable[[], Any]    # a trial of it that changes nothing (``remat='auto'``'s timing)
+  keep: Callable[[], None]  # make fit run this very executable for the batch size (no second compilation)
 
 
 class Compilers(NamedTuple):
   """What planning compiles and times, given by the trainer.
 
-  ``step_bytes(plan, shared_args, inputs, targets, via_window) -> bytes`` of the train step compiled for
-  ``plan``; ``trial(plan, shared_args, inputs, targets) -> (compiled, run)``: that step compiled, and a
-  ``run()`` of it that changes nothing (``remat='auto'``'s trial steps).
+  ``step_bytes(plan, shared_args, inputs, targets, via_window) -> StepMemory`` of the train step compiled for
+  ``plan`` quickly (XLA's buffer assignment is that of the optimised step; only the code is left unoptimised):
+  the probes of the search; ``trial(plan, shared_args, inputs, targets, via_window) -> PlannedStep``: that step
+  compiled for training, to verify, time and keep; ``keepable(via_window)``: whether fit can run a kept step
+  (not where it runs another: a window's, a mesh's, or no jit).
   """
-  step_bytes: Callable[..., int]
-  trial: Callable[..., Tuple[Any, Callable[[], Any]]]
+  step_bytes: Callable[..., Any]
+  trial: Callable[..., PlannedStep]
+  keepable: Callable[[bool], bool]
+
+
+def plural(count: int, noun: str) -> str:
+  """``'1 micro-batch'``, ``'3 micro-batches'``."""
+  return f'{count} {noun}' + ('' if count == 1 else 'es' if noun.endswith('ch') else 's')
 
 
 class Planning:
@@ -143,38 +160,144 @@ class Planning:
     if batch_size in self.stream_chunks:
       return self.memory_plans[self.stream_chunks[batch_size]][0]
     if batch_size not in self.memory_plans:
+      if may_stream and batch_size > 1 and self._argument_bytes(inputs, targets) > self.memory_budget:
+        # arithmetic, no compilation: the step's arguments alone exceed the budget, so no cut of it fits
+        return self._plan_stream(layout, shared_args, inputs, targets, step_time, compilers, None)
+      variables = list(self.vars().unique().values()) + random_states(self.target)
       try:
-        self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
+        with values_restored(variables, any_shape=True):  # the reset draws random numbers: all is put back
+          if self.mesh is None:  # (on a mesh fit has placed the state, at the batch size, before planning)
+            self.target.reset(batch_size)  # the search compiles the whole batch's step: the state at that size
+          self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
       except ValueError as error:
         if not may_stream or batch_size == 1:
           raise
         return self._plan_stream(layout, shared_args, inputs, targets, step_time, compilers, error)
     return self.memory_plans[batch_size][0]
 
+  def _argument_bytes(self, inputs, targets) -> int:
+    """Bytes of what the train step takes: every Variable (parameters, optimizer and model state), random
+    keys and the batch. A lower bound of the compiled step's memory, known without compiling."""
+    variables = {id(v): v for v in list(self.vars().unique().values()) + random_states(self.target)}
+    leaves = [v.value for v in variables.values()] + jax.tree_util.tree_leaves((inputs, targets))
+    return sum(int(getattr(x, 'nbytes', 0)) for x in leaves)  # typed random keys: the bytes of their data
+
   def _plan_batch(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
                   via_window: bool = False) -> None:
-    """Plan one batch (or streamed chunk) whose step holds all of it; raises ``ValueError`` if none fits."""
+    """Plan one batch (or streamed chunk) whose step holds all of it; raises ``ValueError`` if none fits.
+
+    The search probes a few sizes with quick compilations (:func:`~brainpy_accum.memory._budget.largest_fitting`);
+    the pick is then compiled as training runs it, and that compilation's memory analysis must fit the
+    budget (else the pick is corrected downwards). Training runs that very executable: no second compilation.
+    """
     batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
-    measure = lambda size: compilers.step_bytes(
-      plan_micro_batches(share, micro_batch_size=size), shared_args, inputs, targets, via_window)
+    key = None if step_time is not None else self._plan_key(shared_args, inputs, targets, via_window)
+    if self._plan_from_cache(key, layout, shared_args, inputs, targets, compilers, via_window):
+      return
+    planned = None
     try:
       if self.remat == 'auto':
-        size, used, remat = self._plan_fastest(share, shared_args, inputs, targets, step_time, compilers)
+        size, used, remat, planned = self._plan_fastest(share, shared_args, inputs, targets, step_time, compilers,
+                                                        via_window)
       else:
-        (size, used), remat = choose_micro_batch_size(share, self.memory_budget, measure), None
+        size, used, planned = self._plan_fewest(share, shared_args, inputs, targets, compilers, via_window)
+        remat = None
     except ValueError as error:
       if self.mesh is None:
+        self._store_plan(key, {'fits': False, 'error': str(error)})
         raise
       raise ValueError(f'{error} With the mesh, each of the {self.num_devices} devices holds {share} samples of '
                        f'the batch of {batch_size}, and memory_budget is per device.') from None
-    plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+    self._store_plan(key, {'fits': True, 'micro_batch_size': size, 'remat': remat, 'bytes': used})
+    self._set_plan(batch_size, plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat), used, planned)
+
+  def _set_plan(self, batch_size: int, plan: MicroBatchPlan, used: int, planned: Optional[PlannedStep],
+                cached: bool = False) -> None:
+    """Record (and print) the plan of ``batch_size``; fit runs ``planned``, the step compiled for it, if given."""
     self.memory_plans[batch_size] = (plan, used)
+    if planned is not None:
+      planned.keep()
+    source = ' (from the plan cache, its compiled step measured again)' if cached else ''
     per_device = '' if self.mesh is None else ' per device'
-    tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plan.num_micro_batches} micro-batches), '
-               f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}')
+    tqdm.write(f'memory plan: {self.describe_batch(batch_size)} ({plural(plan.num_micro_batches, "micro-batch")}), '
+               f'train step {format_memory(used)}{per_device} of memory_budget {format_memory(self.memory_budget)}'
+               f'{source}')
+
+  def _plan_key(self, shared_args, inputs, targets, via_window: bool) -> Optional[dict]:
+    """Everything a plan depends on, as JSON, or ``None`` where plans are not cached (no cache, a mesh)."""
+    if self._plan_cache is None or self.mesh is not None:
+      return None
+    return plan_key(self, shared_args, inputs, targets, via_window)
+
+  def _store_plan(self, key: Optional[dict], plan: dict) -> None:
+    if key is not None:
+      self._plan_cache.put(key, plan)
+
+  def _plan_from_cache(self, key: Optional[dict], layout, shared_args, inputs, targets, compilers: Compilers,
+                       via_window: bool) -> bool:
+    """Use the cached plan for ``key`` if there is one and its step, compiled again, still fits; True if used.
+
+    A cached plan is never trusted: the step is compiled (for training where fit can run it, quickly
+    otherwise) and must fit the budget by XLA's measure, else a one-line warning and planning anew. A cached
+    'does not fit' (the same step measured by an earlier run) raises its error again, for streaming to go on.
+    """
+    entry = None if key is None else self._plan_cache.get(key)
+    if entry is None:
+      return False
+    if entry.get('fits') is False and isinstance(entry.get('error'), str):
+      raise ValueError(entry['error'])
+    size, remat, share = entry.get('micro_batch_size'), entry.get('remat'), self._share_size(layout.batch_size)
+    if not (isinstance(size, int) and 1 <= size <= share and (remat is None or isinstance(remat, (bool, int)))):
+      warnings.warn(f'plan cache: ignored an entry for batch {layout.batch_size} that does not describe a plan of '
+                    f'it; planning anew.', UserWarning, stacklevel=2)
+      return False
+    plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+    if compilers.keepable(via_window):
+      planned = compilers.trial(plan, shared_args, inputs, targets, via_window)
+      used = planned.memory.total
+    else:
+      planned, used = None, memory_parts(compilers.step_bytes(plan, shared_args, inputs, targets, via_window))[0]
+    if used > self.memory_budget:
+      warnings.warn(f'plan cache: the cached plan for batch {layout.batch_size} ({plan.describe_cuts()}) needs '
+                    f'{format_memory(used)} now, over memory_budget {format_memory(self.memory_budget)}; planning '
+                    f'anew.', UserWarning, stacklevel=2)
+      return False
+    self._set_plan(layout.batch_size, plan, used, planned, cached=True)
+    return True
+
+  def _plan_fewest(self, share: int, shared_args, inputs, targets, compilers: Compilers, via_window: bool
+                   ) -> Tuple[int, int, Optional[PlannedStep]]:
+    """``(micro_batch_size, bytes, compiled step or None)``: the fewest micro-batches whose step fits.
+
+    Sizes the search predicts to be the answer are compiled as training runs them (when fit can run that
+    executable), the others quickly; an answer measured quickly is compiled for training afterwards, and
+    its memory must fit too, else the search goes on below it.
+    """
+    plan_of = lambda size: plan_micro_batches(share, micro_batch_size=size)
+    keepable, kept = compilers.keepable(via_window), {}
+
+    def probe(size):
+      return compilers.step_bytes(plan_of(size), shared_args, inputs, targets, via_window)
+
+    def compile_for_training(size):
+      kept[size] = compilers.trial(plan_of(size), shared_args, inputs, targets, via_window)
+      return kept[size].memory
+
+    below = None
+    while True:
+      size, used = choose_micro_batch_size(share, self.memory_budget, probe, below=below,
+                                           measure_pick=compile_for_training if keepable else None)
+      if not keepable:
+        return size, used, None  # fit runs a step of its own (a window, a mesh): the probe's figure is XLA's measure
+      planned = kept.get(size) or compilers.trial(plan_of(size), shared_args, inputs, targets, via_window)
+      if planned.memory.total <= self.memory_budget:
+        return size, planned.memory.total, planned
+      tqdm.write(f'memory plan: micro-batches of {size} need {format_memory(planned.memory.total)} compiled for '
+                 f'training, not the {format_memory(used)} of the quick compilation; searching below')
+      below = size
 
   def _plan_stream(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
-                   error: ValueError) -> MicroBatchPlan:
+                   error: Optional[ValueError]) -> MicroBatchPlan:
     """The batch's data does not fit beside its step: stream it from the host in chunks (:mod:`~brainpy_accum.memory._stream`).
 
     Of the chunk sizes whose step fits, the one with the largest micro-batches (the fewest sequential
@@ -190,6 +313,8 @@ class Planning:
                       ((inputs, layout.input_axes), (targets, layout.target_axes))]
         if chunk not in self.memory_plans:
           self.target.reset(chunk)  # the chunk's step takes the model state at the chunk's size
+          if self._argument_bytes(*chunk_data) > self.memory_budget:
+            continue  # its arguments alone exceed the budget: nothing to compile
           try:
             self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, compilers,
                              via_window=True)
@@ -199,6 +324,9 @@ class Planning:
         if self.memory_plans[chunk][0].num_micro_batches == 1:
           break
     if not fitting:
+      if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
+        self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
+        return self.memory_plans[batch_size][0]
       raise error
     chunk = max(fitting, key=lambda c: (self.memory_plans[c][0].micro_batch_size, c))
     self.stream_chunks[batch_size] = chunk
@@ -208,27 +336,54 @@ class Planning:
                f'({plan.describe()}, train step {format_memory(used)}), one update per batch')
     return plan
 
-  def _plan_fastest(self, share: int, shared_args, inputs, targets, step_time,
-                    compilers: Compilers) -> Tuple[int, int, Union[bool, int]]:
-    """``remat='auto'``: ``(micro_batch_size, bytes, remat)`` of the fastest plan that fits, its table printed."""
+  def _plan_fastest(self, share: int, shared_args, inputs, targets, step_time, compilers: Compilers,
+                    via_window: bool = False) -> Tuple[int, int, Union[bool, int], Optional[PlannedStep]]:
+    """``remat='auto'``: ``(micro_batch_size, bytes, remat, compiled step)`` of the fastest plan that fits, its
+    table printed.
+
+    Only the largest fitting micro-batch of each remat option is weighed: those are the candidates that can
+    win, since a finer cut of the same remat does the same work in more, smaller sequential steps. The
+    search compiles the sizes it predicts to be the answer as training runs them, so the candidates timed are
+    already compiled, their compilation's memory is the figure that must fit, and training runs the winner's
+    executable.
+    """
     compiled = {}
+
+    def plan_of(size, remat):
+      return plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+
+    def probe(size, remat):
+      return compilers.step_bytes(plan_of(size, remat), shared_args, inputs, targets, via_window)
 
     def compile_(size, remat):
       if (size, remat) not in compiled:
-        plan = plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
-        compiled[size, remat] = compilers.trial(plan, shared_args, inputs, targets)
+        compiled[size, remat] = compilers.trial(plan_of(size, remat), shared_args, inputs, targets, via_window)
       return compiled[size, remat]
 
     def timed(pairs):
       if step_time is not None:
-        return step_time([plan_micro_batches(share, micro_batch_size=s)._replace(remat=r) for s, r in pairs])
-      return time_steps([compile_(*pair)[1] for pair in pairs])
+        return step_time([plan_of(s, r) for s, r in pairs])
+      steps = [compile_(*pair) for pair in pairs]
+      seconds = time_steps([step.run for step in steps], rounds=2)
+      # one compiled for training that does not fit after all (the quick probe measured otherwise) is never chosen
+      return [t if step.memory.total <= self.memory_budget else float('inf') for t, step in zip(seconds, steps)]
 
-    chosen, weighed = choose_fastest_plan(share, self.memory_budget,
-                                          lambda size, remat: compiled_step_bytes(compile_(size, remat)[0]), timed)
+    chosen, weighed = choose_fastest_plan(share, self.memory_budget, probe, timed, finer=0,
+                                          measure_pick=lambda size, remat: compile_(size, remat).memory)
+    if chosen.seconds == float('inf'):
+      raise ValueError(f'memory_budget={format_memory(self.memory_budget)}: no plan fits when compiled for '
+                       f'training, although quick compilations said so. Raise memory_budget.')
     self.weighed_plans[share] = weighed
     tqdm.write(describe_choice(share, self.memory_budget, chosen, weighed))
-    return chosen.micro_batch_size, chosen.bytes, chosen.remat
+    planned = compiled.get((chosen.micro_batch_size, chosen.remat))
+    if planned is None and compilers.keepable(via_window):  # measured by a quick probe: compile it for training
+      planned = compile_(chosen.micro_batch_size, chosen.remat)
+      if planned.memory.total > self.memory_budget:
+        raise ValueError(f'memory_budget={format_memory(self.memory_budget)}: the chosen plan needs '
+                         f'{format_memory(planned.memory.total)} compiled for training, although a quick '
+                         f'compilation measured {format_memory(chosen.bytes)}. Raise memory_budget.')
+    used = chosen.bytes if planned is None else planned.memory.total
+    return chosen.micro_batch_size, used, chosen.remat, planned
 
   @property
   def weighed_plans(self) -> Dict[int, List[Candidate]]:

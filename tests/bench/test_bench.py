@@ -72,3 +72,43 @@ def test_quick_planner_and_streaming_parts_join_the_report(tmp_path):
   report = (tmp_path / 'benchmark.md').read_text()
   assert '## rnn' in report and 'The planner: fastest plan that fits' in report and '## Streaming' in report
   assert (tmp_path / 'benchmark_planner.png').exists()
+
+
+def test_column_divides_out_what_micro_batching_costs_plain_jax_round_by_round():
+  from brainpy_accum.bench.report import ratios
+  base = dict(workload='w', shape=list(TINY), remat=False)
+  results = [dict(base, method='bptt', num_micro_batch=1, step_times=[1., 2., 1.]),
+             dict(base, method='jax', num_micro_batch=1, step_times=[1., 1., 2.]),
+             dict(base, method='accum', num_micro_batch=2, step_times=[1.5, 3., 1.5]),  # 1.5 x bp.BPTT each round
+             dict(base, method='jax', num_micro_batch=2, step_times=[1.2, 1.2, 2.4])]  # 1.2 x plain JAX(1)
+  row = [line for line in ratios(results, 'w') if line.startswith('| 2 |')][0]
+  assert row.endswith('| 1.250 |')  # 1.5 / 1.2 in every round
+
+
+def test_last_step_workload_in_plain_jax_is_the_cross_entropy_of_the_last_read_out():
+  import jax.numpy as jnp
+  import numpy as np
+  from brainpy_accum.bench.workloads import jax_loss, jax_params, make_batch
+  shape = TINY._replace(outputs=3)
+  x, y = make_batch(shape, workload='rnn_ce')
+  assert y.shape == (shape.batch,) and y.dtype == np.int32
+  p = {k: np.asarray(v, np.float64) for k, v in jax_params(shape).items()}
+  h = np.zeros((shape.batch, shape.hidden))
+  for t in range(shape.time):  # the tanh RNN by hand, in float64
+    h = np.tanh(x[:, t] @ p['wi'] + h @ p['wh'] + p['b'])
+  logits = h @ p['wo'] + p['bo']
+  log_p = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+  expected = -log_p[np.arange(shape.batch), y].mean()
+  got = float(jax_loss('rnn_ce', jax_params(shape), jnp.asarray(x), jnp.asarray(y)))
+  np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_startup_table_states_ratios_compilations_and_targets():
+  from brainpy_accum.bench.startup import startup_section
+  run = lambda s, c=11: {'seconds': s, 'cpu_seconds': s / 2, 'compilations': c, 'plan': {}}
+  results = {'bp.BPTT': {'first': [run(2.), run(4.)], 'rerun': [run(1.), run(1.)]},
+             "'auto', memory_budget='24MiB'": {'first': [run(3., 14), run(8., 14)], 'rerun': [run(1.4), run(1.6)]}}
+  text = startup_section(results, 'load')
+  assert "| 'auto', memory_budget='24MiB' | first | 5.50 | 1.75 (1.50 - 2.00) | 2.75 | 1.75 (1.50 - 2.00) | 14 |" in text
+  assert '|  | rerun | 1.50 | 1.50 (1.40 - 1.60) | 0.75 | 1.50 (1.40 - 1.60) | 11 | <= 1.5 |' in text
+  assert 'first: 1.75 x bp.BPTT (target <= 2.0): met' in text and 'rerun: 1.50 x bp.BPTT (target <= 1.5): met' in text

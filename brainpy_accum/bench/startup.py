@@ -1,0 +1,173 @@
+"""How long until the first epoch is done: bp.BPTT and AccumBPTT's plans, each in a fresh process.
+
+``python -m brainpy_accum.bench.startup`` runs every trainer of :data:`TRAINERS` in its own Python process
+(imports excluded), timed from building the trainer to the end of its first epoch, on the issue's workload: a
+rate RNN (``bp.dyn.RNNCell`` + ``bp.dnn.Dense`` read-out), batch 256, T=100, 64 inputs, 256 hidden, 10 classes,
+cross-entropy of the last step, Adam, 2 batches. Each trainer runs twice on its own cache folder: the first run
+starts with an empty one, the rerun finds what the first run left (JAX's persistent compilation cache, for
+bp.BPTT too, and AccumBPTT's plan cache). Runs alternate between trainers and repeat, so that the machine's
+drift falls on all alike; the ratios are medians of per-round ratios to bp.BPTT, quartiles beside them.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+__all__ = ['TRAINERS', 'TARGETS', 'STARTUP_HEADER', 'run_one', 'measure_startup', 'startup_section']
+
+TRAINERS: Dict[str, dict] = {
+  'bp.BPTT': {},
+  'AccumBPTT(num_micro_batch=4)': {'num_micro_batch': 4},
+  "'auto', memory_budget='24MiB'": {'num_micro_batch': 'auto', 'memory_budget': '24MiB'},
+  "'auto', remat='auto', 24MiB": {'num_micro_batch': 'auto', 'memory_budget': '24MiB', 'remat': 'auto'},
+  "'auto', remat='auto', 8MiB (streamed)": {'num_micro_batch': 'auto', 'memory_budget': '8MiB', 'remat': 'auto'},
+}
+TARGETS = {'AccumBPTT(num_micro_batch=4)': (1.3, None), "'auto', memory_budget='24MiB'": (2.0, 1.5),
+           "'auto', remat='auto', 24MiB": (3.0, 1.5), "'auto', remat='auto', 8MiB (streamed)": (4.0, None)}
+SHAPE = dict(batch=256, time=100, inputs=64, hidden=256, classes=10, batches=2)
+STARTUP_HEADER = (
+  '## Start-up: time to the first epoch\n\n'
+  'Made by `python -m brainpy_accum.bench.startup` (also the `startup` part of `python -m brainpy_accum.bench`). '
+  'Rate RNN (`bp.dyn.RNNCell` + `bp.dnn.Dense` read-out), batch 256, T=100, 64 inputs, 256 hidden, 10 classes, '
+  'cross-entropy of the last step, Adam, 2 batches; each run a fresh process, timed from building the trainer '
+  'to the end of the first epoch (imports and data excluded). Each trainer has its own cache folder: its first '
+  'run starts with the folder empty, its rerun finds what the first left. Both runs have JAX\'s persistent '
+  'compilation cache on, bp.BPTT\'s too (`JAX_COMPILATION_CACHE_DIR`, every compilation kept: '
+  '`JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0`), and AccumBPTT its plan cache (`BRAINPY_ACCUM_CACHE_DIR`). '
+  'Trainers alternate within a round (order reversed every other round); ratios are medians of per-round '
+  'ratios to bp.BPTT, quartiles in brackets; "CPU seconds" is the process\'s CPU time over the same span '
+  '(all its threads), steadier than wall time on a shared machine; "compilations" counts every XLA '
+  'compilation in the timed span (cache hits included), bp.BPTT\'s included.')
+
+
+def _child(options: dict, shape: dict) -> dict:
+  """In the fresh process: build the trainer, fit one epoch; seconds and XLA compilations since the build."""
+  import brainpy as bp
+  import brainpy.math as bm
+  import numpy as np
+
+  from ..diagnostics._compiles import count_compilations
+  from ..trainer import AccumBPTT
+
+  bm.random.seed(0)
+  with bm.training_environment():
+    model = bp.Sequential(bp.dyn.RNNCell(shape['inputs'], shape['hidden']),
+                          bp.dnn.Dense(shape['hidden'], shape['classes']))
+  rng = np.random.RandomState(0)
+  data = [(rng.rand(shape['batch'], shape['time'], shape['inputs']).astype('float32'),
+           rng.randint(0, shape['classes'], shape['batch'])) for _ in range(shape['batches'])]
+
+  def last_step_cross_entropy(predicts, targets):
+    return bp.losses.cross_entropy_loss(predicts[:, -1], targets)
+
+  with count_compilations() as compiled:
+    start, cpu_start = time.perf_counter(), time.process_time()
+    if options:
+      trainer = AccumBPTT(model, last_step_cross_entropy, bp.optim.Adam(lr=1e-3), progress_bar=False, **options)
+    else:
+      trainer = bp.BPTT(model, last_step_cross_entropy, bp.optim.Adam(lr=1e-3), progress_bar=False)
+    trainer.fit(data, num_epoch=1)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+  return {'seconds': seconds, 'cpu_seconds': cpu_seconds, 'compilations': compiled(),
+          'plan': {str(k): v[0].describe() for k, v in getattr(trainer, 'memory_plans', {}).items()}}
+
+
+def run_one(name: str, cache: str, shape: dict = SHAPE) -> dict:
+  """One fresh process for trainer ``name`` with its caches in the folder ``cache``."""
+  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(cache, 'jax'), BRAINPY_ACCUM_CACHE_DIR=cache,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  request = json.dumps({'options': TRAINERS[name], 'shape': shape})
+  done = subprocess.run([sys.executable, '-m', 'brainpy_accum.bench.startup', '--child', request], env=env,
+                        capture_output=True, text=True, check=False)
+  if done.returncode != 0:
+    raise RuntimeError(f'{name}: the child process failed:\n{done.stderr[-3000:]}')
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_startup(names: Sequence[str] = tuple(TRAINERS), rounds: int = 3, shape: dict = SHAPE) -> dict:
+  """``{name: {'first': [runs], 'rerun': [runs]}}``: per round, each trainer's first run on an empty cache
+  folder, then its rerun on that folder; trainers alternate within a round, in reversed order every other round."""
+  results = {name: {'first': [], 'rerun': []} for name in names}
+  for round_ in range(rounds):
+    order = list(names) if round_ % 2 == 0 else list(reversed(names))
+    folders = {name: tempfile.mkdtemp(prefix='brainpy_accum_startup_') for name in order}
+    try:
+      for kind in ('first', 'rerun'):
+        for name in order:
+          results[name][kind].append(run_one(name, folders[name], shape))
+          done = results[name][kind][-1]
+          print(f'round {round_} {kind:5} {name:40} {done["seconds"]:6.2f} s  {done["cpu_seconds"]:6.2f} CPU s  '
+                f'{done["compilations"]} compilations', flush=True)
+    finally:
+      for folder in folders.values():
+        shutil.rmtree(folder, ignore_errors=True)
+  return results
+
+
+def _quartiles(values: List[float]) -> str:
+  if len(values) < 3:
+    return ' - '.join(f'{v:.2f}' for v in sorted(values))
+  q = statistics.quantiles(values, n=4)
+  return f'{q[0]:.2f}-{q[2]:.2f}'
+
+
+def startup_section(results: dict, load: str = '') -> str:
+  """The markdown table: wall and CPU seconds, their ratios to bp.BPTT (medians of per-round ratios, quartiles),
+  compilations; the targets judged on the wall-clock ratio."""
+  base = results['bp.BPTT']
+  lines = ['| trainer | run | seconds | / bp.BPTT | CPU seconds | CPU / bp.BPTT | compilations | target |',
+           '|---|---|---|---|---|---|---|---|']
+  verdicts = []
+  for name, runs in results.items():
+    for kind in ('first', 'rerun'):
+      cells = [name if kind == 'first' else '', kind]
+      for field in ('seconds', 'cpu_seconds'):
+        values = [r.get(field, float('nan')) for r in runs[kind]]
+        ratios = [r.get(field, float('nan')) / b.get(field, float('nan')) for r, b in zip(runs[kind], base[kind])]
+        cells += [f'{statistics.median(values):.2f}', f'{statistics.median(ratios):.2f} ({_quartiles(ratios)})']
+      cells.append('/'.join(sorted({str(r['compilations']) for r in runs[kind]})))
+      target = TARGETS.get(name, (None, None))[kind == 'rerun']
+      cells.append('-' if target is None else f'<= {target}')
+      lines.append('| ' + ' | '.join(cells) + ' |')
+      if target is not None:
+        wall = statistics.median([r['seconds'] / b['seconds'] for r, b in zip(runs[kind], base[kind])])
+        verdicts.append(f'- {name}, {kind}: {wall:.2f} x bp.BPTT (target <= {target}): '
+                        f'{"met" if wall <= target else "**missed**"}')
+  plans = {name: runs['first'][0]['plan'] for name, runs in results.items() if runs['first'][0].get('plan')}
+  if plans:
+    lines += ['', 'Plans chosen: ' + '; '.join(f'{name}: {plan}' for name, plan in plans.items())]
+  lines += [''] + verdicts
+  if load:
+    lines += ['', f'Load average (1, 5, 15 min): {load}.']
+  return '\n'.join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.startup', description=__doc__.split('\n')[0])
+  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--trainers', nargs='+', default=list(TRAINERS), choices=list(TRAINERS))
+  parser.add_argument('--json', default=None, help='also write the measurements to this file')
+  parser.add_argument('--child', default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child is not None:
+    request = json.loads(args.child)
+    print(json.dumps(_child(request['options'], request['shape'])))
+    return
+  before = ', '.join(f'{v:.2f}' for v in os.getloadavg())
+  results = measure_startup(args.trainers, args.rounds)
+  after = ', '.join(f'{v:.2f}' for v in os.getloadavg())
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(results, f, indent=1)
+  print(startup_section(results, f'{before} before, {after} after'))
+
+
+if __name__ == '__main__':
+  main()

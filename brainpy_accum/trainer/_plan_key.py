@@ -1,0 +1,75 @@
+"""The key of a cached plan: everything the memory planner's choice depends on, as JSON.
+
+The model (its classes, the code of their ``update`` methods, every Variable's shape and dtype: parameters,
+model states at the batch's size, optimizer state), the loss (its code), the batch (tree, shapes, dtypes), the
+options (budget, remat, reduction, windows, clipping, ...), the versions of Python, jax, jaxlib, brainpy,
+brainstate and this package, XLA's flags and the device kind. Code is hashed with :mod:`marshal`, which is
+exact for one Python version (the version is part of the key). Whatever the key misses (a constant a loss
+captures, say) cannot make a plan unsafe: a cached plan's step is compiled again and must fit the budget.
+"""
+
+import hashlib
+import marshal
+import os
+import platform
+from typing import Any, Optional
+
+import brainpy
+import brainpy.math as bm
+import brainstate
+import jax
+import jaxlib
+import numpy as np
+
+__all__ = ['plan_key']
+
+_FORMAT = 1  # the planner's own version: raise it when planning changes what it picks
+
+
+def _code(fn: Any) -> Optional[str]:
+  """A digest of ``fn``'s code (methods and partials unwrapped), or its type's name if it has none."""
+  fn = getattr(fn, '__func__', fn)
+  while hasattr(fn, 'func'):  # functools.partial
+    fn = fn.func
+  code = getattr(fn, '__code__', None)
+  if code is None:
+    return None if fn is None else type(fn).__qualname__
+  return hashlib.sha256(marshal.dumps(code)).hexdigest()[:24]
+
+
+def _arrays(tree) -> list:
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  shapes = [[list(np.shape(x)), str(getattr(x, 'dtype', type(x).__name__))] for x in leaves]
+  return [str(treedef), shapes]
+
+
+def plan_key(trainer, shared_args, inputs, targets, via_window: bool) -> dict:
+  """The key of the plan of this batch on ``trainer`` (an :class:`~brainpy_accum.AccumBPTT`)."""
+  nodes = list(trainer.target.nodes().unique().values())
+  variables = [[type(v).__name__, list(np.shape(v.value)), str(bm.as_jax(v.value).dtype)]
+               for v in trainer.vars().unique().values()]
+  device = jax.devices()[0]
+  return {
+    'planner': _FORMAT,
+    'versions': [platform.python_version(), jax.__version__, jaxlib.__version__, brainpy.__version__,
+                 brainstate.__version__, _package_version()],
+    'device': [device.platform, getattr(device, 'device_kind', ''), os.environ.get('XLA_FLAGS', '')],
+    'model': [[type(n).__qualname__, _code(getattr(type(n), 'update', None))] for n in nodes],
+    'variables': variables,
+    'loss': [_code(trainer._loss_func), _code(trainer.loss_weight_fn)],
+    'batch': [_arrays(inputs), _arrays(targets)],
+    'shared_args': sorted((str(k), repr(v)) for k, v in dict(shared_args or {}).items()),
+    'options': {'memory_budget': trainer.memory_budget, 'remat': trainer.remat,
+                'grad_reduction': trainer.grad_reduction, 'whole_batch_loss': trainer.whole_batch_loss,
+                'accumulate_steps': repr(trainer.accumulate_steps), 'clip_grad_norm': trainer.clip_grad_norm,
+                'skip_nonfinite': trainer.skip_nonfinite, 'data_first_axis': getattr(trainer, 'data_first_axis', None),
+                'target_batch_axis': trainer.target_batch_axis, 'loss_has_aux': trainer.loss_has_aux,
+                'aux_reduction': sorted(getattr(trainer, 'aux_reduction', {}).items()),
+                'optimizer': type(trainer.optimizer).__qualname__, 'jit': repr(dict(trainer.jit)),
+                'via_window': via_window},
+  }
+
+
+def _package_version() -> str:
+  from .. import __version__
+  return __version__

@@ -1,0 +1,184 @@
+"""Quick to start: the planner's few compilations, the step it compiles reused for training, the plan cache.
+
+Every plan here, predicted or cached, is checked against XLA's own memory analysis of the step and against
+a fixed-plan run (``micro_batch_size=`` the planned size, no planner): the same parameters after training.
+"""
+
+import json
+import os
+import threading
+
+import brainpy as bp
+import jax
+import pytest
+
+from brainpy_accum import AccumBPTT, plan_micro_batches
+from brainpy_accum.diagnostics._compiles import count_compilations
+from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting
+from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
+from helpers import assert_trees_close, make_batches, make_model, params_of
+
+FIT = bp.tools.DotDict(fit=True)
+SIZE, NUM_TIME = 24, 20
+
+
+def _model():
+  return make_model('rnn', n_in=4, n_hidden=32, n_out=3)
+
+
+def _trainer(model=None, **kwargs):
+  return AccumBPTT(model or _model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05),
+                   progress_bar=False, **kwargs)
+
+
+@pytest.fixture(scope='module')
+def data():
+  """Two batches, and a budget between the step of micro-batches of 8 (fits) and of 12 (does not)."""
+  batches = make_batches((SIZE, SIZE), num_time=NUM_TIME, n_in=4, n_out=3)
+  probe = _trainer(num_micro_batch='auto', memory_budget='1GiB', cache=False)
+  probe.target.reset(SIZE)
+  need = {s: probe.compiled_step_bytes(plan_micro_batches(SIZE, micro_batch_size=s), FIT, *batches[0])
+          for s in (8, 12)}
+  return batches, (need[8] + need[12]) // 2, need
+
+
+_FIXED = {}
+
+
+def _fit_fixed(size, batches, remat=False):
+  """The unplanned run of a plan: the same micro-batches given by hand (run once per plan, then kept)."""
+  if (size, remat) not in _FIXED:
+    model = _model()
+    _trainer(model, micro_batch_size=size, remat=remat, cache=False).fit(batches, num_epoch=1)
+    _FIXED[size, remat] = params_of(model)
+  return _FIXED[size, remat]
+
+
+@pytest.mark.parametrize('slope, fixed, curve, budget, most', [
+  (5, 100, 0, 1300, 3), (3, 0, 0, 3000, 3), (1, 50, 0, 40, 3),  # affine: the first line is right
+  (0.5, 7, 0.002, 60, 7),  # bending: the whole batch's step is 8 times a line's (bisection of 62 sizes: 7)
+])
+def test_largest_fitting_finds_bisections_answer_with_few_probes(slope, fixed, curve, budget, most):
+  sizes = candidate_micro_batch_sizes(1000)
+  bytes_of = lambda s: int(fixed + slope * s + curve * s * s)
+  probed = []
+  found = largest_fitting(sizes, budget, lambda s: probed.append(s) or StepMemory(bytes_of(s), fixed))
+  fitting = [s for s in sizes if bytes_of(s) <= budget]
+  assert found == (None if not fitting else (max(fitting), bytes_of(max(fitting))))
+  assert len(probed) <= most, probed
+
+
+def test_answer_is_always_measured_even_where_memory_is_far_from_a_line():
+  sizes = list(range(64, 0, -1))
+  steps = {s: 10 * s if s < 30 else 1000 + s for s in sizes}  # a jump: lines predict badly across it
+  probed = []
+  found = largest_fitting(sizes, 400, lambda s: probed.append(s) or steps[s])
+  assert found == (29, 290) and 29 in probed and 30 in probed
+
+
+@pytest.mark.parametrize('remat', [False, 'auto'])
+def test_predicted_plan_fits_by_xla_and_trains_as_the_same_fixed_plan(data, remat):
+  batches, budget, need = data
+  model = _model()
+  trainer = _trainer(model, num_micro_batch='auto', memory_budget=budget, remat=remat, cache=False)
+  with count_compilations() as compiled:
+    trainer.fit(batches, num_epoch=1)
+  plan, used = trainer.memory_plans[SIZE]
+  model.reset(SIZE)
+  assert used == trainer.compiled_step_bytes(plan, FIT, *batches[0]) <= budget  # XLA's measure of that plan
+  if remat is False:
+    assert plan.micro_batch_size == 8 and used == need[8]  # the fewest micro-batches that fit
+  assert trainer.compilations['fit'] == 1 and trainer.trace_counts['fit'] == 1  # planned once, not compiled again
+  assert compiled() <= (5 if remat is False else 8)  # probes, the step, the loss check (a bisection: 6 probes alone)
+  assert_trees_close(params_of(model), _fit_fixed(plan.micro_batch_size, batches, bool(plan.remat)))
+
+
+def test_cached_plan_is_measured_again_and_trains_as_the_fixed_plan(data, tmp_path, capsys):
+  batches, budget, _ = data
+  first = _trainer(num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
+  first.fit(batches[:1], num_epoch=1)
+  assert len(os.listdir(tmp_path / 'plans')) == 1
+  capsys.readouterr()
+
+  model = _model()
+  rerun = _trainer(model, num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
+  with count_compilations() as compiled:
+    rerun.fit(batches, num_epoch=1)
+  assert 'from the plan cache' in capsys.readouterr().out
+  plan, used = rerun.memory_plans[SIZE]
+  assert plan == first.memory_plans[SIZE][0] and used <= budget
+  assert rerun.compilations['fit'] == 1 and compiled() <= 3  # the step (measured again), the loss check
+  assert_trees_close(params_of(model), _fit_fixed(plan.micro_batch_size, batches))
+
+
+def _write_entry(tmp_path, change):
+  """Plan once into ``tmp_path``, then ``change(entry)`` the stored JSON; the path of the file."""
+  batches, budget, _ = _write_entry.data
+  _trainer(num_micro_batch='auto', memory_budget=budget, cache=tmp_path).fit(batches[:1], num_epoch=1)
+  path, = [tmp_path / 'plans' / name for name in os.listdir(tmp_path / 'plans')]
+  path.write_text(change(json.loads(path.read_text())))
+  return path
+
+
+@pytest.mark.parametrize('change, note', [
+  (lambda entry: '{"format": 1, "key": ', 'unreadable'),                     # a half-written file
+  (lambda entry: json.dumps(dict(entry, key={'model': 'another'})), 'another model'),  # a foreign entry
+  pytest.param(lambda entry: json.dumps(dict(entry, format=0)), 'another format', marks=pytest.mark.long),
+  (lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], micro_batch_size=SIZE))), 'over memory_budget'),
+  pytest.param(lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], micro_batch_size='x'))),
+               'does not describe', marks=pytest.mark.long),
+])
+def test_corrupt_foreign_or_stale_entries_are_ignored_with_a_note_and_replanned(data, tmp_path, change, note):
+  _write_entry.data = data
+  batches, budget, _ = data
+  path = _write_entry(tmp_path, change)
+  model = _model()
+  trainer = _trainer(model, num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
+  with pytest.warns(UserWarning, match=f'plan cache: .*{note}') as notes:
+    trainer.fit(batches, num_epoch=1)
+  assert len([n for n in notes if 'plan cache' in str(n.message)]) == 1
+  plan, used = trainer.memory_plans[SIZE]
+  assert plan.micro_batch_size == 8 and used <= budget
+  assert json.loads(path.read_text())['plan']['micro_batch_size'] == 8  # written anew, whole
+  assert_trees_close(params_of(model), _fit_fixed(8, batches))
+
+
+def test_writers_at_once_leave_a_whole_entry(tmp_path):
+  cache, key = PlanCache(str(tmp_path)), {'k': 1}
+
+  def write(n):
+    for i in range(50):
+      cache.put(key, {'fits': True, 'micro_batch_size': n, 'round': i})
+
+  writers = [threading.Thread(target=write, args=(n,)) for n in (3, 5)]
+  for w in writers:
+    w.start()
+  for w in writers:
+    w.join()
+  assert cache.get(key)['micro_batch_size'] in (3, 5) and cache.get(key)['round'] == 49
+  assert os.listdir(tmp_path / 'plans') == [os.path.basename(cache.path(key))]  # no temporary file left
+
+
+def test_cache_folder_and_switch(monkeypatch, tmp_path):
+  monkeypatch.setenv('BRAINPY_ACCUM_CACHE', '1')
+  monkeypatch.setenv('BRAINPY_ACCUM_CACHE_DIR', str(tmp_path))
+  assert cache_folder(True) == str(tmp_path)
+  monkeypatch.delenv('BRAINPY_ACCUM_CACHE_DIR')
+  monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+  assert cache_folder(True) == str(tmp_path / 'xdg' / 'brainpy_accum')
+  monkeypatch.setenv('BRAINPY_ACCUM_CACHE', 'off')
+  assert cache_folder(True) is None and cache_folder(False) is None
+  assert cache_folder(tmp_path / 'named') == str(tmp_path / 'named')  # named by the trainer: used anyway
+  # JAX's cache folder, already set (the suite sets one), is kept
+  before = jax.config.jax_compilation_cache_dir
+  assert before and use_compilation_cache(str(tmp_path)) == before == jax.config.jax_compilation_cache_dir
+  with pytest.raises(TypeError, match=r"cache=3 must be True \(the default folder\), False \(no caches\) or a folder"):
+    _trainer(num_micro_batch=2, cache=3)
+
+
+def test_a_batch_that_fits_whole_says_one_micro_batch(capsys):
+  x, y = make_batches((6,), num_time=4, n_in=4, n_out=3)[0]
+  trainer = _trainer(num_micro_batch='auto', memory_budget='1GiB', cache=False)
+  trainer.target.reset(6)
+  trainer.plan_memory(x, y)
+  assert '(1 micro-batch)' in capsys.readouterr().out
