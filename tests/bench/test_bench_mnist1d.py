@@ -43,7 +43,8 @@ def test_tiny_recurrent_run_gives_a_row_whose_bptt_step_does_not_fit():
 
 
 @pytest.mark.parametrize('argv, message', [(['--seeds', '-1'], 'non-negative'), (['--epochs', '0'], 'positive'),
-                                           (['--models', 'gru'], 'invalid choice')])
+                                           (['--models', 'gru'], 'invalid choice'),
+                                           (['--models'], 'nothing to train')])
 def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
   with pytest.raises(SystemExit):
     mnist1d.main(argv)
