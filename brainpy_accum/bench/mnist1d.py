@@ -313,11 +313,16 @@ def train(spec: ModelSpec, data: Mnist1d, seed: int = 0, *, epochs: Optional[int
   return Trained({'model': spec.name, 'kind': spec.kind, 'seed': seed, 'test_accuracy': accuracy,
           'trainer': 'AccumBPTT', 'batch': batch, 'memory_budget': spec.memory_budget,
           'bptt_step_bytes': bptt_bytes, 'bptt_step_fits_budget': bptt_bytes <= spec.memory_budget,
-          'plan': f'{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}',
+          'plan': _plan_text(plan),
           'num_micro_batches': plan.num_micro_batches, 'accum_step_bytes': accum_bytes, 'epochs': epochs,
           'train_size': len(y_train), 'train_seconds': train_seconds,
           'train_accuracy_per_epoch': [float(a) for a in trainer.get_hist_metric('fit', 'acc')],
           'train_loss_per_epoch': [float(a) for a in trainer.get_hist_metric('fit', 'loss')]}, trainer)
+
+
+def _plan_text(plan) -> str:
+  cut = f'{plan.num_full} x {plan.micro_batch_size}' + (f' + {plan.remainder}' if plan.remainder else '')
+  return f'{plan.num_micro_batches} micro-batches ({cut})'
 
 
 def _epoch_seconds(trainer, batches) -> float:
@@ -371,12 +376,12 @@ def rate_regulariser_row(spec: ModelSpec, data: Mnist1d, seed: int = 0, *, epoch
           'seed': seed, 'test_accuracy': accuracy, 'trainer': 'AccumBPTT whole_batch_loss=True', 'batch': batch,
           'memory_budget': spec.memory_budget, 'bptt_step_bytes': bptt_bytes,
           'bptt_step_fits_budget': bptt_bytes <= spec.memory_budget,
-          'plan': f'{plan.num_micro_batches} micro-batches of {plan.micro_batch_size}',
+          'plan': _plan_text(plan),
           'num_micro_batches': plan.num_micro_batches, 'accum_step_bytes': accum_bytes, 'epochs': epochs,
           'train_size': len(y_train), 'train_seconds': train_seconds, 'epoch_seconds': exact_epoch,
           'final_rate': float(rates[-1]),
           'default_mode': {'warned': bool(coupled), 'warning': coupled[0] if coupled else None,
-                           'plan': f'{default_plan.num_micro_batches} micro-batches of {default_plan.micro_batch_size}',
+                           'plan': _plan_text(default_plan),
                            'step_bytes': default_bytes, 'epoch_seconds': default_epoch},
           'train_accuracy_per_epoch': [float(a) for a in exact.get_hist_metric('fit', 'acc')],
           'train_loss_per_epoch': [float(a) for a in exact.get_hist_metric('fit', 'loss')]}
@@ -389,9 +394,10 @@ def format_table(rows: Sequence[dict]) -> str:
   for r in rows:
     accuracies = r['test_accuracy'] if isinstance(r['test_accuracy'], list) else [r['test_accuracy']]
     accuracy = ', '.join(f'{a:.3f}' for a in accuracies)
+    seconds = r['train_seconds'] if isinstance(r['train_seconds'], list) else [r['train_seconds']]
     lines.append(f"| {r['model']} | {r['trainer']} | {accuracy} | {r['batch']} | {format_memory(r['memory_budget'])} "
                  f"| {format_memory(r['bptt_step_bytes'])} | {'yes' if r['bptt_step_fits_budget'] else 'no'} "
-                 f"| {r['plan']} | {format_memory(r['accum_step_bytes'])} | {r['epochs']} | {r['train_seconds']:.0f} |")
+                 f"| {r['plan']} | {format_memory(r['accum_step_bytes'])} | {r['epochs']} | {', '.join(f'{t:.0f}' for t in seconds)} |")
   return '\n'.join(lines)
 
 
@@ -441,12 +447,12 @@ def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
   rows = [_merge_seeds([train(MODELS[name], data, seed, **options).row for seed in args.seeds]) for name in args.models]
   if args.rate_regulariser:  # the first seed only: it trains the network again and runs the default mode beside it
     rows.append(rate_regulariser_row(MODELS['recurrent'], data, args.seeds[0], **options))
+  if args.out:  # before printing: a run of many minutes must not be lost to the table
+    with open(args.out, 'w') as f:
+      json.dump(rows, f, indent=1)
   print(format_table(rows))
   print('MNIST-1D paper (Greydanus & Kobak), test accuracy: '
         + ', '.join(f'{name} {accuracy:.0%}' for name, accuracy in PAPER.items()))
-  if args.out:
-    with open(args.out, 'w') as f:
-      json.dump(rows, f, indent=1)
   return rows
 
 

@@ -66,3 +66,15 @@ def test_cli_writes_json_rows_for_both_networks_and_the_rate_regulariser(tmp_pat
   assert rate['trainer'] == 'AccumBPTT whole_batch_loss=True'
   assert rate['default_mode']['warned'] and 'whole_batch_loss=True' in rate['default_mode']['warning']
   assert rate['default_mode']['step_bytes'] <= rate['memory_budget']
+
+
+def test_rows_of_several_seeds_merge_into_one_table_line():
+  """What ``--seeds 0 1 2`` prints: one line per network, every seed's accuracy and time, their mean and spread."""
+  row = dict(model='m', kind='recurrent', seed=0, test_accuracy=0.95, trainer='AccumBPTT', batch=32,
+             memory_budget=2 ** 20, bptt_step_bytes=2 ** 21, bptt_step_fits_budget=False, plan='2 micro-batches (2 x 16)',
+             accum_step_bytes=2 ** 19, epochs=3, train_seconds=10., train_accuracy_per_epoch=[.5, .6, .7],
+             train_loss_per_epoch=[1., .9, .8])
+  merged = mnist1d._merge_seeds([row, dict(row, seed=1, test_accuracy=0.93, train_seconds=12.)])
+  assert merged['seed'] == [0, 1] and merged['test_accuracy'] == [0.95, 0.93]
+  assert abs(merged['mean_test_accuracy'] - 0.94) < 1e-12 and abs(merged['std_test_accuracy'] - 0.02 ** 0.5 / 10) < 1e-12
+  assert '| 0.950, 0.930 |' in mnist1d.format_table([merged]) and '| 10, 12 |' in mnist1d.format_table([merged])
