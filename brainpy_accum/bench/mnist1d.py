@@ -360,12 +360,13 @@ def rate_regulariser_row(spec: ModelSpec, data: Mnist1d, seed: int = 0, *, epoch
   start = time.perf_counter()
   exact.fit(batches, num_epoch=epochs)
   train_seconds = time.perf_counter() - start
-  # one more epoch of each, alternated after both have compiled: seconds per epoch of the two modes
-  default_epoch, exact_epoch = _epoch_seconds(default, batches), _epoch_seconds(exact, batches)
   accuracy = _accuracy(exact, x_test, data.y_test)
-  rates = exact.get_hist_metric('fit', 'rate')
+  # read before the timing epochs below: each fit starts a new history, and they train further
+  rates, accuracies, losses = ([float(a) for a in exact.get_hist_metric('fit', m)] for m in ('rate', 'acc', 'loss'))
+  # one more epoch of each, back to back after both have compiled: seconds per epoch of the two modes
+  default_epoch, exact_epoch = _epoch_seconds(default, batches), _epoch_seconds(exact, batches)
   (plan, accum_bytes), (default_plan, default_bytes) = exact.memory_plans[batch], default.memory_plans[batch]
-  log(f'rate regulariser seed {seed}: test accuracy {accuracy:.4f}, rate {float(rates[-1]):.3f}; default mode '
+  log(f'rate regulariser seed {seed}: test accuracy {accuracy:.4f}, rate {rates[-1]:.3f}; default mode '
       f'warned: {bool(coupled)}', flush=True)
   model = _build(spec, 0)
   bptt = bp.BPTT(model, rate_regularised_cross_entropy, optimizer=bp.optim.Adam(lr=spec.lr), loss_has_aux=True,
@@ -379,12 +380,11 @@ def rate_regulariser_row(spec: ModelSpec, data: Mnist1d, seed: int = 0, *, epoch
           'plan': _plan_text(plan),
           'num_micro_batches': plan.num_micro_batches, 'accum_step_bytes': accum_bytes, 'epochs': epochs,
           'train_size': len(y_train), 'train_seconds': train_seconds, 'epoch_seconds': exact_epoch,
-          'final_rate': float(rates[-1]),
+          'final_rate': rates[-1],
           'default_mode': {'warned': bool(coupled), 'warning': coupled[0] if coupled else None,
                            'plan': _plan_text(default_plan),
                            'step_bytes': default_bytes, 'epoch_seconds': default_epoch},
-          'train_accuracy_per_epoch': [float(a) for a in exact.get_hist_metric('fit', 'acc')],
-          'train_loss_per_epoch': [float(a) for a in exact.get_hist_metric('fit', 'loss')]}
+          'train_accuracy_per_epoch': accuracies, 'train_loss_per_epoch': losses}
 
 
 def format_table(rows: Sequence[dict]) -> str:
