@@ -17,6 +17,9 @@ autodoc_typehints = 'none'
 napoleon_numpy_docstring = True
 napoleon_google_docstring = False
 suppress_warnings = ['mystnb.unknown_mime_type']
+# GitHub-style anchors for headings down to level 3, so that links like guide.md#uneven-batches work in the
+# built docs as they do on GitHub.
+myst_heading_anchors = 3
 
 # The notebooks live in ../notebooks (committed without outputs); they are copied here and executed
 # on every build, so a notebook that fails breaks the build.
