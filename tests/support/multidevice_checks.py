@@ -267,7 +267,6 @@ def test_whole_batch_loss_over_devices_equals_bptt(mesh, case):
 
 
 @pytest.mark.parametrize('time_first, options', [(False, dict(num_micro_batch=2, aux_reduction=DECLARED)),
-                                                 (True, dict(num_micro_batch=2, aux_reduction=DECLARED)),
                                                  (False, dict(num_micro_batch=2, whole_batch_loss=True))])
 def test_metrics_over_devices_equal_bptt(mesh, time_first, options):
   """Per-sample metrics gathered from the devices' shares (3 samples each: 2 + 1), a declared max (pmax) and an

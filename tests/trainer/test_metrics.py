@@ -95,6 +95,13 @@ def assert_same_history(history, expected):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=str(key))
 
 
+def assert_trained_alike(expected, actual):
+  """``(parameters, recorded losses)`` of two runs agree to float32 round-off."""
+  np.testing.assert_allclose(actual[1], expected[1], rtol=RTOL, atol=ATOL)
+  for p, e in zip(actual[0], expected[0]):
+    np.testing.assert_allclose(p, e, rtol=RTOL, atol=ATOL)
+
+
 _REFERENCE = {}
 
 
@@ -136,6 +143,7 @@ def test_window_records_bptt_metrics():
 
 
 @pytest.mark.long
+@pytest.mark.one_leg  # streaming's metrics path is the same Python on every brainpy version
 def test_streamed_chunks_record_bptt_metrics():
   """Batches streamed from the host in chunks (their data is twice the budget): the metrics combine chunk by
   chunk on the host, by the same rules, and equal bp.BPTT's batch by batch (learning rate 0, as above)."""
@@ -234,10 +242,7 @@ def test_target_with_two_axes_of_the_batch_size_trains_as_bptt(case):
     trainer = cls(model, loss, optimizer=bp.optim.Adam(lr=0.05), data_first_axis='T', progress_bar=False, **kwargs)
     trainer.fit(batches, num_epoch=1)
     results.append((params_of(model), trainer.get_hist_metric('fit', 'loss', 'detailed')))
-  (expected, expected_losses), (params, losses) = results
-  np.testing.assert_allclose(losses, expected_losses, rtol=RTOL, atol=ATOL)
-  for p, e in zip(params, expected):
-    np.testing.assert_allclose(p, e, rtol=RTOL, atol=ATOL)
+  assert_trained_alike(*results)
 
 
 def test_target_that_evidence_cannot_place_is_refused_naming_target_batch_axis():
@@ -274,10 +279,7 @@ def test_whole_batch_loss_carries_the_gradient_of_a_monitored_parameter():
                   **kwargs)
     trainer.fit(batches, num_epoch=1)
     results.append((params_of(model), trainer.get_hist_metric('fit', 'loss', 'detailed')))
-  (expected, expected_losses), (params, losses) = results
-  np.testing.assert_allclose(losses, expected_losses, rtol=RTOL, atol=ATOL)
-  for p, e in zip(params, expected):
-    np.testing.assert_allclose(p, e, rtol=RTOL, atol=ATOL)
+  assert_trained_alike(*results)
 
 
 # ---------------------------------------------------------------- smaller edges
@@ -322,6 +324,7 @@ def test_numpy_integers_are_accepted_as_ints():
 
 
 @pytest.mark.long
+@pytest.mark.one_leg
 def test_numpy_integers_work_wherever_ints_do():
   """Sizes from array arithmetic (np.int64) for the options and fit's counts: the same run as with ints."""
   batches = make_batches((10, 7))
