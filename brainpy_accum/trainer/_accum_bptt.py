@@ -39,7 +39,7 @@ from ..memory._budget import StepMemory, compiled_step_bytes, parse_memory, step
 from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
 from ._arguments import (check_accumulation_args, check_remat, check_update_args, check_whole_batch_loss,
                          warn_batch_statistics)
-from ._coupled_loss import check_first_batch
+from ._coupled_loss import MEANS_OVER_ELEMENTS, check_first_batch
 from ._fit_loop import TrainerParts
 from ._fit_loop import fit as run_fit
 from ._model_loss import ModelLoss
@@ -399,6 +399,9 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
       with whole_batch_variables(self.target, layout.batch_size) as states, values_restored([var for var, _ in states]):
         self._check_flat_states(shared_args, (inputs, targets), jax.tree_util.tree_leaves(
           (layout.input_axes, layout.target_axes)), plan, states, layout.batch_size)
+    if self._loss_func in MEANS_OVER_ELEMENTS and not self.loss_has_aux and self.loss_weight_fn is None \
+        and self.grad_reduction == 'mean':
+      return  # a mean over every element is a mean over samples: nothing to check (see _coupled_loss)
     variables = list(self.vars().unique().values()) + random_states(self.target)
     with self._without_time_step_bars():
       check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,

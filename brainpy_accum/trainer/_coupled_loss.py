@@ -15,13 +15,16 @@ If either differs, a warning says by how much and points to ``whole_batch_loss=T
 weighted mean (``'sum'``: a sum) of per-sample terms agrees everywhere, to float32 round-off. What it cannot
 see: a coupling through something other than the outputs (a loss that reads a Variable), or one that only
 shows at outputs unlike both points checked. The check changes nothing, never stops training, and is one
-compiled function.
+compiled function. It is skipped (nothing to compile) when ``loss_fun`` is BrainPy's own
+``mean_squared_error`` or ``mean_absolute_error`` with its default mean, without metrics, ``loss_weight_fn``
+or ``grad_reduction='sum'``: a mean over every element is a mean over samples, whatever the values.
 """
 
 import functools
 import warnings
 from typing import Callable, Optional, Sequence
 
+import brainpy as bp
 import brainpy.math as bm
 import jax
 import jax.numpy as jnp
@@ -36,8 +39,15 @@ from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import forward_pass
 from ..diagnostics._compiles import QUICK_COMPILE
 
-__all__ = ['check_first_batch', 'check_loss', 'combined_loss', 'gradient_gaps', 'warn_coupled_gradient',
+__all__ = ['MEANS_OVER_ELEMENTS', 'check_first_batch', 'check_loss', 'combined_loss', 'gradient_gaps', 'warn_coupled_gradient',
            'warn_coupled_loss', 'whole_and_combined_loss']
+
+
+# BrainPy's losses that are, with their default reduction, the mean over every element of every leaf (a sum of
+# such means for a tree of outputs): a mean over samples for any values, so the first-batch check has nothing to see.
+# (Not cross_entropy_loss: with integer labels it divides by the count of labels other than ignore_index,
+# which couples the samples when a batch holds ignored labels.)
+MEANS_OVER_ELEMENTS = (bp.losses.mean_squared_error, bp.losses.mean_absolute_error)
 
 
 def whole_and_combined_loss(forward: Callable, loss_of: Callable, weigh: Callable, args: tuple, axes,

@@ -52,7 +52,6 @@ def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
 
 
 @pytest.mark.long
-@pytest.mark.one_leg  # about 90 s; CI runs it on one leg (see setup.cfg)
 def test_cli_writes_json_rows_for_both_networks_and_the_rate_regulariser(tmp_path):
   """The benchmark's own models, budgets and batches, shortened to 1 epoch on 256 training signals."""
   pytest.importorskip('mnist1d', reason='the MNIST-1D benchmark needs the mnist1d package (the test extra has it)')

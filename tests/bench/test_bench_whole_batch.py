@@ -4,7 +4,7 @@ import pytest
 
 from brainpy_accum.bench import whole_batch
 
-pytestmark = pytest.mark.long  # the long suite (--long): CI runs it once per brainpy version
+pytestmark = pytest.mark.long  # the long suite (--long): CI runs it on one long leg (tests/conftest.py)
 
 
 def test_quick_run_writes_the_page_with_every_row(tmp_path):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT
-from helpers import make_batches, make_model
+from brainpy_accum.trainer._coupled_loss import MEANS_OVER_ELEMENTS
+from helpers import assert_trees_close, make_batches, make_model, params_of
 
 SIZES = (10, 7)
 
@@ -81,3 +82,34 @@ def test_losses_that_accumulate_exactly_stay_silent(loss, options):
     per_sample = bp.losses.mean_squared_error if isinstance(loss, str) else loss
     _fit(lambda p, t: per_sample(p[0], t), model='snn', drive=0., **options)  # spikes monitored, not in the loss
   assert not _coupled(record) and not [w for w in record if 'Could not check' in str(w.message)]
+
+
+@pytest.mark.parametrize('loss', MEANS_OVER_ELEMENTS, ids=lambda f: f.__name__)
+def test_brainpys_means_over_elements_are_size_weighted_means_of_any_split(loss):
+  """Why the check may skip them: on any values, any tree of outputs and any cut of the batch, the whole batch's
+  loss is the size-weighted mean of the micro-batch losses."""
+  rng = np.random.RandomState(0)
+  for cut in ([3, 3, 1], [1, 6], [2, 2, 2, 1]):
+    predicts = {'a': rng.randn(7, 4, 2).astype(np.float32), 'b': rng.randn(7, 3).astype(np.float32)}
+    targets = {'a': rng.randn(7, 4, 2).astype(np.float32), 'b': rng.randn(7, 3).astype(np.float32)}
+    starts = np.cumsum([0] + cut)
+    part = lambda tree, i: {k: v[starts[i]:starts[i + 1]] for k, v in tree.items()}
+    combined = sum(n * float(loss(part(predicts, i), part(targets, i))) for i, n in enumerate(cut)) / 7
+    np.testing.assert_allclose(float(loss(predicts, targets)), combined, rtol=1e-5)
+
+
+def test_brainpys_mean_losses_skip_the_check_and_train_as_a_checked_copy(monkeypatch):
+  """``loss_fun=bp.losses.mean_squared_error`` compiles nothing for the check; the same loss wrapped in a lambda is
+  checked (silently) and trains to the same parameters."""
+  from brainpy_accum.trainer import _accum_bptt
+  calls = []
+  checked = _accum_bptt.check_first_batch
+  monkeypatch.setattr(_accum_bptt, 'check_first_batch', lambda *a, **k: calls.append(1) or checked(*a, **k))
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter('always')
+    skipped = _fit(bp.losses.mean_squared_error, model='rnn')
+    assert calls == []
+    wrapped = _fit(lambda p, t: bp.losses.mean_squared_error(p, t), model='rnn')
+    assert calls == [1]
+  assert not _coupled(record) and not [w for w in record if 'Could not check' in str(w.message)]
+  assert_trees_close(params_of(skipped.target), params_of(wrapped.target), rtol=0, atol=0)

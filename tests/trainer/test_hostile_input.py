@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from brainpy_accum import AccumBPTT  # noqa: E402
 from helpers import make_model, optimizer_state, params_of  # noqa: E402
 
-pytestmark = pytest.mark.long  # the long suite (--long): CI runs it once per brainpy version
+pytestmark = pytest.mark.long  # the long suite (--long): CI runs it on one long leg (tests/conftest.py)
 
 DTYPES = ['float32', 'float16', 'float64', 'int32', 'bool']
 # Each training example compiles two trainers; CI runs 10 of them, BRAINPY_ACCUM_SEARCH=200 searches further.

@@ -143,7 +143,6 @@ def test_window_records_bptt_metrics():
 
 
 @pytest.mark.long
-@pytest.mark.one_leg  # streaming's metrics path is the same Python on every brainpy version
 def test_streamed_chunks_record_bptt_metrics():
   """Batches streamed from the host in chunks (their data is twice the budget): the metrics combine chunk by
   chunk on the host, by the same rules, and equal bp.BPTT's batch by batch (learning rate 0, as above)."""
@@ -324,7 +323,6 @@ def test_numpy_integers_are_accepted_as_ints():
 
 
 @pytest.mark.long
-@pytest.mark.one_leg
 def test_numpy_integers_work_wherever_ints_do():
   """Sizes from array arithmetic (np.int64) for the options and fit's counts: the same run as with ints."""
   batches = make_batches((10, 7))

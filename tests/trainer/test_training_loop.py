@@ -192,7 +192,10 @@ def _checkpoint_trainer():
                    optimizer=bp.optim.Adam(lr=bp.optim.ExponentialDecayLR(0.05, 1, 0.9)), progress_bar=False)
 
 
-def test_resume_in_a_fresh_process_equals_training_straight_through(tmp_path):
+@pytest.mark.parametrize('fresh_process', [False, pytest.param(True, marks=pytest.mark.long)])
+def test_resume_equals_training_straight_through(fresh_process, tmp_path):
+  """A checkpoint loaded into a new trainer (in this process, or in a fresh one: the long suite) finishes the run
+  as training straight through does."""
   sizes = (6, 5, 4)
   straight = _checkpoint_trainer()
   straight.fit(make_batches(sizes), num_epoch=2)
@@ -201,12 +204,19 @@ def test_resume_in_a_fresh_process_equals_training_straight_through(tmp_path):
   first.fit(make_batches(sizes), num_epoch=1)
   path = first.save_checkpoint(str(tmp_path / 'epoch1.ckpt'))
   assert os.listdir(tmp_path) == ['epoch1.ckpt']  # no temporary file left behind
-  out = str(tmp_path / 'resumed.npz')
-  script = RESUME.format(tests=os.path.join(os.path.dirname(__file__), os.pardir, 'support'), path=path, sizes=sizes, out=out)
-  subprocess.run([sys.executable, '-c', script], check=True, capture_output=True)
-  resumed = np.load(out)
-  assert_trees_close([resumed[f'arr_{i}'] for i in range(len(resumed.files))], params_of(straight.target),
-                     rtol=0, atol=1e-6)
+  if fresh_process:
+    out = str(tmp_path / 'resumed.npz')
+    script = RESUME.format(tests=os.path.join(os.path.dirname(__file__), os.pardir, 'support'), path=path, sizes=sizes,
+                           out=out)
+    subprocess.run([sys.executable, '-c', script], check=True, capture_output=True)
+    resumed = np.load(out)
+    resumed = [resumed[f'arr_{i}'] for i in range(len(resumed.files))]
+  else:
+    second = _checkpoint_trainer()
+    second.load_checkpoint(path)
+    second.fit(make_batches(sizes), num_epoch=1)
+    resumed = params_of(second.target)
+  assert_trees_close(resumed, params_of(straight.target), rtol=0, atol=1e-6)
 
 
 def test_corrupt_or_mismatched_checkpoint_leaves_the_trainer_untouched(tmp_path):
