@@ -388,10 +388,13 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
 
-  def _check_loss_once(self, shared_args, inputs, targets) -> None:
-    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once)."""
+  def _check_loss_once(self, shared_args, inputs, targets) -> Optional[Callable[[], None]]:
+    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once).
+
+    Returns ``finish()`` for fit to call after the first step when the check runs beside it, else ``None``.
+    """
     if self._loss_checked:
-      return
+      return None
     self._loss_checked = True
     layout = self._check_batch(inputs, targets)
     plan = self.plan_for(layout.batch_size)
@@ -401,10 +404,10 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
           (layout.input_axes, layout.target_axes)), plan, states, layout.batch_size)
     if self._loss_func in MEANS_OVER_ELEMENTS and not self.loss_has_aux and self.loss_weight_fn is None \
         and self.grad_reduction == 'mean':
-      return  # a mean over every element is a mean over samples: nothing to check (see _coupled_loss)
+      return None  # a mean over every element is a mean over samples: nothing to check (see _coupled_loss)
     variables = list(self.vars().unique().values()) + random_states(self.target)
     with self._without_time_step_bars():
-      check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
+      return check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
                         plan_for=self.plan_for, forward=self._forward, loss_of=self._loss_of, weigh=self._weigh,
                         variables=variables, jit=self.jit[c.FIT_PHASE], reduction=self.grad_reduction,
                         declared=self.aux_reduction)

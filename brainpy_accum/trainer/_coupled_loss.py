@@ -21,6 +21,7 @@ or ``grad_reduction='sum'``: a mean over every element is a mean over samples, w
 """
 
 import functools
+import threading
 import warnings
 from typing import Callable, Optional, Sequence
 
@@ -39,8 +40,8 @@ from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import forward_pass
 from ..diagnostics._compiles import QUICK_COMPILE
 
-__all__ = ['MEANS_OVER_ELEMENTS', 'check_first_batch', 'check_loss', 'combined_loss', 'gradient_gaps', 'warn_coupled_gradient',
-           'warn_coupled_loss', 'whole_and_combined_loss']
+__all__ = ['MEANS_OVER_ELEMENTS', 'check_first_batch', 'check_in_background', 'check_loss', 'combined_loss',
+           'gradient_gaps', 'warn_coupled_gradient', 'warn_coupled_loss', 'warn_if_coupled', 'whole_and_combined_loss']
 
 
 # BrainPy's losses that are, with their default reduction, the mean over every element of every leaf (a sum of
@@ -161,25 +162,75 @@ def gradient_gaps(whole: Callable, combined: Callable, outputs, out_axes, names:
 
 
 def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, reduction: str) -> None:
-  """Run ``compare() -> (whole, combined)``, give ``variables`` their values back, and warn if they differ.
+  """Run ``compare() -> (whole, combined, gaps, metrics)``, give ``variables`` their values back, and warn if
+  they differ.
 
   A check that fails warns instead of raising: it must never stop training that would run without it.
   """
   names = _Names()  # the outputs and metrics compared, named while ``compare`` is traced
   with values_restored(variables):
     try:
-      whole, combined, gaps, (whole_metrics, combined_metrics) = compare(names)
+      result = compare(names)
     except MetricsError:  # the user's metrics need a fix: the step would raise it too, so say it now
       raise
     except Exception as error:
-      warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
-                    f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
-                    UserWarning, stacklevel=5)  # fit's line
+      _could_not_check(error)
       return
+  warn_if_coupled(result, names, plan, reduction)
+
+
+def warn_if_coupled(result, names: '_Names', plan: MicroBatchPlan, reduction: str) -> None:
+  """Warn about the loss, its gradient and its scalar metrics from ``compare``'s ``result``."""
+  whole, combined, gaps, (whole_metrics, combined_metrics) = result
   if not warn_coupled_loss(float(whole), float(combined), plan, reduction):
     warn_coupled_gradient(np.asarray(gaps), names.names, plan, reduction)
   warn_metrics(names.metrics, [np.asarray(v) for v in whole_metrics], [np.asarray(v) for v in combined_metrics],
                plan)
+
+
+def _could_not_check(error: Exception) -> None:
+  warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
+                f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
+                UserWarning, stacklevel=6)  # fit's line
+
+
+def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan,
+                        reduction: str) -> Optional[Callable[[], None]]:
+  """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
+  raise now, before anything changes), then compile and run it on a background thread, on the Variables'
+  values of now. Returns ``finish()``, which waits for it and warns: XLA compiles the check while the first
+  train step is traced, compiled and run, and the check's result does not depend on that step."""
+  names = _Names()
+  with values_restored(variables):
+    try:
+      values = step.stateful_fun.get_state_trace(names, shared_args, inputs, targets,
+                                                 compile_if_miss=True).get_state_values()
+      lowered = step.jitted_fun.lower(values, names, shared_args, inputs, targets)
+    except MetricsError:
+      raise
+    except Exception as error:
+      _could_not_check(error)
+      return None
+  done: dict = {}
+
+  def run():  # runs the check on the values above; the new values it returns are dropped: nothing changes
+    try:
+      compiled = lowered.compile(compiler_options=QUICK_COMPILE)
+      done['result'] = jax.device_get(compiled(values, inputs, targets)[1])
+    except Exception as error:  # reported by finish(), on the caller's thread
+      done['error'] = error
+
+  thread = threading.Thread(target=run, name='brainpy_accum first-batch check', daemon=True)
+  thread.start()
+
+  def finish() -> None:
+    thread.join()
+    if 'error' in done:
+      _could_not_check(done['error'])
+    else:
+      warn_if_coupled(done['result'], names, plan, reduction)
+
+  return finish
 
 
 def warn_metrics(names: Sequence, whole: Sequence[np.ndarray], combined: Sequence[np.ndarray], plan: MicroBatchPlan,
@@ -251,18 +302,22 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
 
 def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan_for: Callable,
                       forward: Callable, loss_of: Callable, weigh: Callable, variables: Sequence, jit: bool,
-                      reduction: str, declared: Optional[dict] = None) -> None:
+                      reduction: str, declared: Optional[dict] = None) -> Optional[Callable[[], None]]:
   """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values.
 
   ``check_batch(inputs, targets) -> BatchLayout``; ``plan_for(batch_size)``: the batch's micro-batches;
   ``forward(shared_args)``: the ``forward(micro_args, size)`` of :func:`whole_and_combined_loss`;
   ``loss_of(predicts, targets) -> (loss, aux)``; ``weigh(micro_args, size)``: a micro-batch's weight;
   ``variables``: what the check must leave as it found it; ``jit``: compile the forward pass.
+
+  With ``jit`` the check is compiled and run beside the first train step (:func:`check_in_background`); the
+  returned ``finish()``, called after that step, waits for it and warns. Without: it runs and warns now, and
+  ``None`` is returned.
   """
   layout = check_batch(inputs, targets)
   plan = plan_micro_batches(layout.batch_size, micro_batch_size=plan_for(layout.batch_size).micro_batch_size)
   if plan.num_micro_batches == 1:
-    return
+    return None
 
   def compare(names, shared_args, inputs, targets):
     layout = check_batch(inputs, targets)
@@ -271,9 +326,11 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
       return whole_and_combined_loss(forward(shared_args), loss_of, weigh, (inputs, targets), axes, plan, states,
                                      reduction, names, declared)
 
-  # it runs once: compiled quickly (unoptimised code), about half the time of a full compilation on CPU
-  compare = bm.jit(compare, static_argnums=(0, 1), compiler_options=QUICK_COMPILE) if jit else compare
+  if jit:  # it runs once: compiled quickly (unoptimised code), beside the first step
+    return check_in_background(bm.jit(compare, static_argnums=(0, 1)), shared_args, inputs, targets, variables,
+                               plan, reduction)
   check_loss(lambda names: compare(names, shared_args, inputs, targets), variables, plan, reduction)
+  return None
 
 
 class _Names:

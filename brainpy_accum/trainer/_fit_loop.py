@@ -35,7 +35,7 @@ class TrainerParts(NamedTuple):
   """What the loop calls on the trainer beyond its public attributes, handed over by the trainer itself."""
   check_batch: Callable[[Any, Any], Any]         # (inputs, targets) -> BatchLayout; raises before anything changes
   place_on_mesh: Callable[[int], None]           # (batch_size): the Variables on the mesh (nothing without one)
-  check_loss_once: Callable[[Any, Any, Any], None]  # (shared_args, inputs, targets): the first batch's loss check
+  check_loss_once: Callable[[Any, Any, Any], Optional[Callable[[], None]]]  # the first batch's loss check; its finish()
   replan_finer: Callable[[int], str]             # (batch_size) -> what changed, after running out of memory
   note_compilations: Callable[[str, int], None]  # (phase, count): XLA compilations of a step
   step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
@@ -171,10 +171,12 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
       update = last or (position + 1) % window == 0
       chunk = trainer.stream_chunks.get(layout.batch_size)
       if chunk is None:
-        if phase == 'fit':
-          parts.check_loss_once(options.shared_args, inputs, targets)  # once per trainer, changes nothing
+        # once per trainer, changes nothing; compiled beside the first step, its warnings come after it
+        finish = parts.check_loss_once(options.shared_args, inputs, targets) if phase == 'fit' else None
         loss, aux = _run_step(trainer, parts, phase, _step_kind(trainer, phase, update), options, inputs, targets,
                               layout.batch_size)
+        if finish is not None:
+          finish()
       else:
         loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
@@ -242,10 +244,11 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       for name, (var, axis) in states.items():
         var.value = jax.lax.slice_in_dim(whole[name], start, start + size, axis=axis)
       trainer.plan_memory(x, y, options.shared_args)  # the shorter last chunk has its own plan
-      if phase == 'fit' and i == 0:
-        parts.check_loss_once(options.shared_args, x, y)
+      finish = parts.check_loss_once(options.shared_args, x, y) if phase == 'fit' and i == 0 else None
       kind = _step_kind(trainer, phase, update and i == len(sizes) - 1, streamed=True)
       results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))
+      if finish is not None:
+        finish()
       weights.append(size if trainer.loss_weight_fn is None else float(trainer.loss_weight_fn(x, y)))
       for name, (var, axis) in states.items():
         whole[name] = jax.lax.dynamic_update_slice_in_dim(whole[name], bm.as_jax(var.value), start, axis=axis)
