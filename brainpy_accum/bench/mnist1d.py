@@ -230,8 +230,8 @@ MODELS: Dict[str, ModelSpec] = {
                          RecurrentSNN, lambda x: delay_line(x, 8, steps_per_sample=2), batch=32,
                          memory_budget=parse_memory('12MiB'), epochs=30, lr=2e-3, decay=0.94),
   'conv': ModelSpec('convolutional LIF over the signal, 3 layers of 48/96/96 channels, 8 steps, shifts +-2', 'conv',
-                    ConvSNN, lambda x: held_signal(x, 8), batch=32, memory_budget=parse_memory('8MiB'), epochs=20,
-                    lr=3e-3, decay=0.92, augment=random_shifts),
+                    ConvSNN, lambda x: held_signal(x, 8), batch=32, memory_budget=parse_memory('8MiB'), epochs=24,
+                    lr=3e-3, decay=0.9, augment=random_shifts),
 }
 
 
