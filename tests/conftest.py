@@ -53,18 +53,16 @@ def _share_compilations(config):
     config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 
-# CI (.ci/run) runs the long suite on two legs, one per brainpy version. BrainPy's own code (the gallery ports and
-# BrainPy's BPTT test file) runs on both; every other long test runs on one of them, chosen by its file so that
-# the two legs take about the same time. The markers let a contributor run one leg's share alone.
-LONG_ON_BOTH_LEGS = ('test_gallery.py', 'test_brainpy_suite.py')
+# CI (.ci/run) runs the long suite on two legs, one per brainpy version; each long test runs on one of them,
+# chosen by its file so that the two legs take about the same time (the README suite, on every leg, runs
+# BrainPy's own BPTT tests with AccumBPTT on each brainpy version). The markers let a contributor run one
+# leg's share alone.
 LONG_ON_MULTIDEVICE_LEG = ('test_mesh.py', 'test_core_mesh.py', 'test_resume.py', 'test_training_loop.py',
-                           'test_hostile_input.py')
+                           'test_hostile_input.py', 'test_whole_batch_loss.py')
 
 
-def long_leg_marker(filename: str):
-  """The marker that places a long test of ``filename`` on one CI leg: ``None`` for both legs."""
-  if filename in LONG_ON_BOTH_LEGS:
-    return None
+def long_leg_marker(filename: str) -> str:
+  """The marker that places a long test of ``filename`` on one CI leg."""
   return 'multidevice_leg' if filename in LONG_ON_MULTIDEVICE_LEG else 'other_long_leg'
 
 
@@ -73,9 +71,7 @@ def pytest_collection_modifyitems(config, items):
   part of this run)."""
   for item in items:
     if item.get_closest_marker('long'):
-      marker = long_leg_marker(item.path.name)
-      if marker:
-        item.add_marker(marker)
+      item.add_marker(long_leg_marker(item.path.name))
   if config.getoption('--long'):
     return
   long_items = [item for item in items if item.get_closest_marker('long')]

@@ -34,7 +34,7 @@ from brainpy_accum import AccumBPTT
 from gallery_models import EXAMPLES, EpochData, Example, eprop_loss_without_regulariser
 from helpers import assert_trees_close, params_of
 
-pytestmark = pytest.mark.long  # the long suite (--long): CI runs it on both long legs, one per brainpy version
+pytestmark = pytest.mark.long  # the long suite (--long): CI runs it on one long leg (tests/conftest.py)
 
 NUM_MICRO_BATCH = 3
 

@@ -6,7 +6,9 @@ themselves (``/jax/core/compile/backend_compile_duration``) that happen while
 one of its steps is called.
 """
 
+import collections
 import contextlib
+import threading
 from typing import Callable, Dict, Iterator
 
 import jax.monitoring
@@ -19,12 +21,12 @@ __all__ = ['Compilations', 'QUICK_COMPILE', 'count_compilations']
 QUICK_COMPILE = {'xla_backend_optimization_level': 0}
 
 _BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'
-_seen = [0]
+_seen: Dict[int, int] = collections.defaultdict(int)  # thread -> its backend compilations so far
 
 
 def _listener(event: str, duration_secs: float, **kwargs) -> None:
-  if event == _BACKEND_COMPILE:
-    _seen[0] += 1
+  if event == _BACKEND_COMPILE:  # JAX records it on the thread that compiled
+    _seen[threading.get_ident()] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_listener)
@@ -32,9 +34,11 @@ jax.monitoring.register_event_duration_secs_listener(_listener)
 
 @contextlib.contextmanager
 def count_compilations() -> Iterator[Callable[[], int]]:
-  """``with count_compilations() as counted: ...``; ``counted()`` is the number of XLA compilations so far inside."""
-  start = _seen[0]
-  yield lambda: _seen[0] - start
+  """``with count_compilations() as counted: ...``; ``counted()`` is the number of XLA compilations so far inside,
+  on this thread: the first-batch check, compiled on its own thread meanwhile, is not counted."""
+  thread = threading.get_ident()
+  start = _seen[thread]
+  yield lambda: _seen[thread] - start
 
 
 class Compilations:
