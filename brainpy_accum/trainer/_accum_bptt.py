@@ -388,7 +388,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
 
-  def _check_loss_once(self, shared_args, inputs, targets) -> Optional[Callable[[], None]]:
+  def _check_loss_once(self, shared_args, inputs, targets) -> Optional[Callable[..., None]]:
     """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once).
 
     Returns ``finish()`` for fit to call after the first step when the check runs beside it, else ``None``.

@@ -195,11 +195,12 @@ def _could_not_check(error: Exception) -> None:
 
 
 def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan,
-                        reduction: str) -> Optional[Callable[[], None]]:
+                        reduction: str) -> Optional[Callable[..., None]]:
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
-  values of now. Returns ``finish()``, which waits for it and warns: XLA compiles the check while the first
-  train step is traced, compiled and run, and the check's result does not depend on that step."""
+  values of now. Returns ``finish(report=True)``, which waits for it and warns (``report=False``: only waits,
+  for a step that raised): XLA compiles the check while the first train step is traced, compiled and run, and
+  the check's result does not depend on that step. No thread outlives the call of ``finish``."""
   names = _Names()
   with values_restored(variables):
     try:
@@ -223,8 +224,10 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
   thread = threading.Thread(target=run, name='brainpy_accum first-batch check', daemon=True)
   thread.start()
 
-  def finish() -> None:
+  def finish(report: bool = True) -> None:
     thread.join()
+    if not report:
+      return
     if 'error' in done:
       _could_not_check(done['error'])
     else:
@@ -302,7 +305,7 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
 
 def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan_for: Callable,
                       forward: Callable, loss_of: Callable, weigh: Callable, variables: Sequence, jit: bool,
-                      reduction: str, declared: Optional[dict] = None) -> Optional[Callable[[], None]]:
+                      reduction: str, declared: Optional[dict] = None) -> Optional[Callable[..., None]]:
   """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values.
 
   ``check_batch(inputs, targets) -> BatchLayout``; ``plan_for(batch_size)``: the batch's micro-batches;

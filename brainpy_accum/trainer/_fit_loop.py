@@ -8,6 +8,7 @@ make one update and, with ``skip_nonfinite``, how many were skipped. With a
 again, resumes from there.
 """
 
+import contextlib
 import itertools
 import os
 from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Sized, Tuple, cast
@@ -35,7 +36,7 @@ class TrainerParts(NamedTuple):
   """What the loop calls on the trainer beyond its public attributes, handed over by the trainer itself."""
   check_batch: Callable[[Any, Any], Any]         # (inputs, targets) -> BatchLayout; raises before anything changes
   place_on_mesh: Callable[[int], None]           # (batch_size): the Variables on the mesh (nothing without one)
-  check_loss_once: Callable[[Any, Any, Any], Optional[Callable[[], None]]]  # the first batch's loss check; its finish()
+  check_loss_once: Callable[[Any, Any, Any], Optional[Callable[..., None]]]  # the first batch's loss check; its finish()
   replan_finer: Callable[[int], str]             # (batch_size) -> what changed, after running out of memory
   note_compilations: Callable[[str, int], None]  # (phase, count): XLA compilations of a step
   step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
@@ -173,10 +174,9 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
       if chunk is None:
         # once per trainer, changes nothing; compiled beside the first step, its warnings come after it
         finish = parts.check_loss_once(options.shared_args, inputs, targets) if phase == 'fit' else None
-        loss, aux = _run_step(trainer, parts, phase, _step_kind(trainer, phase, update), options, inputs, targets,
-                              layout.batch_size)
-        if finish is not None:
-          finish()
+        with _finishing(finish):
+          loss, aux = _run_step(trainer, parts, phase, _step_kind(trainer, phase, update), options, inputs,
+                                targets, layout.batch_size)
       else:
         loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
@@ -194,6 +194,20 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
   finally:
     if bar is not None:
       bar.close()
+
+
+@contextlib.contextmanager
+def _finishing(finish: Optional[Callable[..., None]]):
+  """Around the first step: then ``finish()`` the first-batch check running beside it (its warnings); if the
+  step raises, wait for the check without reporting it, so that no thread of it outlives ``fit``."""
+  try:
+    yield
+  except BaseException:
+    if finish is not None:
+      finish(report=False)
+    raise
+  if finish is not None:
+    finish()
 
 
 def _pair(phase: str, position: int, batch) -> Tuple[Any, Any]:
@@ -246,9 +260,8 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       trainer.plan_memory(x, y, options.shared_args)  # the shorter last chunk has its own plan
       finish = parts.check_loss_once(options.shared_args, x, y) if phase == 'fit' and i == 0 else None
       kind = _step_kind(trainer, phase, update and i == len(sizes) - 1, streamed=True)
-      results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))
-      if finish is not None:
-        finish()
+      with _finishing(finish):
+        results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))
       weights.append(size if trainer.loss_weight_fn is None else float(trainer.loss_weight_fn(x, y)))
       for name, (var, axis) in states.items():
         whole[name] = jax.lax.dynamic_update_slice_in_dim(whole[name], bm.as_jax(var.value), start, axis=axis)
