@@ -6,7 +6,6 @@ themselves (``/jax/core/compile/backend_compile_duration``) that happen while
 one of its steps is called.
 """
 
-import collections
 import contextlib
 import threading
 from typing import Callable, Dict, Iterator
@@ -21,12 +20,15 @@ __all__ = ['Compilations', 'QUICK_COMPILE', 'count_compilations']
 QUICK_COMPILE = {'xla_backend_optimization_level': 0}
 
 _BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'
-_seen: Dict[int, int] = collections.defaultdict(int)  # thread -> its backend compilations so far
+_seen = [0]
+# Threads whose compilations are not a step's: the first-batch check compiles on one beside the first step.
+UNCOUNTED_THREAD_PREFIX = 'brainpy_accum uncounted:'
 
 
 def _listener(event: str, duration_secs: float, **kwargs) -> None:
-  if event == _BACKEND_COMPILE:  # JAX records it on the thread that compiled
-    _seen[threading.get_ident()] += 1
+  # JAX records the event on the thread that compiled
+  if event == _BACKEND_COMPILE and not threading.current_thread().name.startswith(UNCOUNTED_THREAD_PREFIX):
+    _seen[0] += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_listener)
@@ -34,11 +36,10 @@ jax.monitoring.register_event_duration_secs_listener(_listener)
 
 @contextlib.contextmanager
 def count_compilations() -> Iterator[Callable[[], int]]:
-  """``with count_compilations() as counted: ...``; ``counted()`` is the number of XLA compilations so far inside,
-  on this thread: the first-batch check, compiled on its own thread meanwhile, is not counted."""
-  thread = threading.get_ident()
-  start = _seen[thread]
-  yield lambda: _seen[thread] - start
+  """``with count_compilations() as counted: ...``; ``counted()`` is the number of XLA compilations so far inside
+  (but those of threads named ``UNCOUNTED_THREAD_PREFIX...``, such as the first-batch check's)."""
+  start = _seen[0]
+  yield lambda: _seen[0] - start
 
 
 class Compilations:

@@ -38,7 +38,7 @@ from ..core._metrics import MetricsError, MetricPlan, finish_metrics, metric_nam
 from ..core._shapes import first_samples
 from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import forward_pass
-from ..diagnostics._compiles import QUICK_COMPILE
+from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
 
 __all__ = ['MEANS_OVER_ELEMENTS', 'check_first_batch', 'check_in_background', 'check_loss', 'combined_loss',
            'gradient_gaps', 'warn_coupled_gradient', 'warn_coupled_loss', 'warn_if_coupled', 'whole_and_combined_loss']
@@ -221,7 +221,7 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
     except Exception as error:  # reported by finish(), on the caller's thread
       done['error'] = error
 
-  thread = threading.Thread(target=run, name='brainpy_accum first-batch check', daemon=True)
+  thread = threading.Thread(target=run, name=f'{UNCOUNTED_THREAD_PREFIX} first-batch check', daemon=True)
   thread.start()
 
   def finish(report: bool = True) -> None:
