@@ -123,10 +123,9 @@ def _write_entry(tmp_path, change):
 @pytest.mark.parametrize('change, note', [
   (lambda entry: '{"format": 1, "key": ', 'unreadable'),                     # a half-written file
   (lambda entry: json.dumps(dict(entry, key={'model': 'another'})), 'another model'),  # a foreign entry
-  pytest.param(lambda entry: json.dumps(dict(entry, format=0)), 'another format', marks=pytest.mark.long),
+  (lambda entry: json.dumps(dict(entry, format=0)), 'another format'),
   (lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], micro_batch_size=SIZE))), 'over memory_budget'),
-  pytest.param(lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], micro_batch_size='x'))),
-               'does not describe', marks=pytest.mark.long),
+  (lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], micro_batch_size='x'))), 'does not describe'),
 ])
 def test_corrupt_foreign_or_stale_entries_are_ignored_with_a_note_and_replanned(data, tmp_path, change, note):
   _write_entry.data = data
