@@ -39,8 +39,8 @@ import numpy as np
 from ..memory import compiled_step_bytes, format_memory, parse_memory
 from ..trainer import AccumBPTT
 
-__all__ = ['Mnist1d', 'ModelSpec', 'MODELS', 'RATE_TARGET', 'RecurrentSNN', 'ConvSNN',
-           'load_mnist1d', 'delay_line', 'held_signal', 'random_shifts', 'summed_cross_entropy', 'rate_regularised_cross_entropy',
+__all__ = ['Mnist1d', 'ModelSpec', 'MODELS', 'RATE_TARGET', 'RecurrentSNN', 'ConvSNN', 'load_mnist1d', 'delay_line',
+           'held_signal', 'random_shifts', 'summed_cross_entropy', 'rate_regularised_cross_entropy',
            'bptt_step_bytes', 'Trained', 'train', 'rate_regulariser_row', 'format_table', 'main']
 
 PAPER = {'logistic regression': 0.32, 'MLP': 0.68, 'GRU': 0.91, 'CNN': 0.94, 'human': 0.96}

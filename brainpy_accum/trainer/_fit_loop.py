@@ -36,7 +36,8 @@ class TrainerParts(NamedTuple):
   """What the loop calls on the trainer beyond its public attributes, handed over by the trainer itself."""
   check_batch: Callable[[Any, Any], Any]         # (inputs, targets) -> BatchLayout; raises before anything changes
   place_on_mesh: Callable[[int], None]           # (batch_size): the Variables on the mesh (nothing without one)
-  check_loss_once: Callable[[Any, Any, Any], Optional[Callable[..., None]]]  # the first batch's loss check; its finish()
+  # (shared_args, inputs, targets): the first batch's loss check; its finish() when it runs beside the first step
+  check_loss_once: Callable[[Any, Any, Any], Optional[Callable[..., None]]]
   replan_finer: Callable[[int], str]             # (batch_size) -> what changed, after running out of memory
   note_compilations: Callable[[str, int], None]  # (phase, count): XLA compilations of a step
   step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
