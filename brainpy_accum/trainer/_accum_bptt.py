@@ -28,7 +28,7 @@ from brainpy.running import constants as c
 from ..checkpoint._save_load import load as load_checkpoint
 from ..checkpoint._save_load import save as save_checkpoint
 from ..core._combine import same_type
-from ..core._cut import MicroBatchPlan, as_int
+from ..core._cut import MicroBatchPlan, as_int, plan_micro_batches
 from ..core._metrics import WHOLE_METRICS, MetricPlan, check_aux_reduction, metric_plan_of
 from ..core._mesh import auto_axes, check_mesh, place, random_states
 from ..core._states import values_restored, whole_batch_variables
@@ -278,6 +278,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     self.memory_plans: Dict[int, Tuple[MicroBatchPlan, int]] = {}
     self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
     self.skip_nonfinite, self.whole_batch_loss, self._loss_checked = skip_nonfinite, whole_batch_loss, whole_batch_loss
+    self._check_running: Optional[Callable[..., None]] = None  # the first-batch check's finish(), once started
     self.mesh = None if mesh is None else auto_axes(mesh)
     self.cache_folder = folder
     if self.cache_folder is not None:
@@ -388,16 +389,26 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
 
-  def _check_loss_once(self, shared_args, inputs, targets) -> Optional[Callable[..., None]]:
+  def _check_loss_once(self, shared_args, inputs, targets, before_planning: bool = False
+                       ) -> Optional[Callable[..., None]]:
     """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once).
 
     Returns ``finish()`` for fit to call after the first step when the check runs beside it, else ``None``.
+    ``before_planning`` (``num_micro_batch='auto'``, a batch not planned yet): start it now, cut in two, so that
+    it compiles beside the planner's compilations; only where it can (jit, no mesh, the batch's data well
+    within the budget), else ``None`` and it runs beside the first step as usual.
     """
     if self._loss_checked:
       return None
-    self._loss_checked = True
     layout = self._check_batch(inputs, targets)
-    plan = self.plan_for(layout.batch_size)
+    if before_planning:
+      if (layout.batch_size < 2 or self.mesh is not None or not self.jit[c.FIT_PHASE]
+          or layout.batch_size in self.memory_plans or 2 * self._argument_bytes(inputs, targets) > self.memory_budget):
+        return None
+      plan = plan_micro_batches(layout.batch_size, num_micro_batch=2)
+    else:
+      plan = self.plan_for(layout.batch_size)
+    self._loss_checked = True
     if plan.num_micro_batches > 1:  # a model that fails on a micro-batch: the error that names the fix, first
       with whole_batch_variables(self.target, layout.batch_size) as states, values_restored([var for var, _ in states]):
         self._check_flat_states(shared_args, (inputs, targets), jax.tree_util.tree_leaves(
@@ -407,10 +418,12 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
       return None  # a mean over every element is a mean over samples: nothing to check (see _coupled_loss)
     variables = list(self.vars().unique().values()) + random_states(self.target)
     with self._without_time_step_bars():
-      return check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
-                        plan_for=self.plan_for, forward=self._forward, loss_of=self._loss_of, weigh=self._weigh,
-                        variables=variables, jit=self.jit[c.FIT_PHASE], reduction=self.grad_reduction,
-                        declared=self.aux_reduction)
+      finish = check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
+                                 plan_for=lambda size: plan, forward=self._forward, loss_of=self._loss_of,
+                                 weigh=self._weigh, variables=variables, jit=self.jit[c.FIT_PHASE],
+                                 reduction=self.grad_reduction, declared=self.aux_reduction)
+    self._check_running = finish  # the planner waits for it before timing trial steps
+    return finish
 
   # ------------------------------------------------------------------ placement, plans, checkpoints
 

@@ -36,8 +36,9 @@ class TrainerParts(NamedTuple):
   """What the loop calls on the trainer beyond its public attributes, handed over by the trainer itself."""
   check_batch: Callable[[Any, Any], Any]         # (inputs, targets) -> BatchLayout; raises before anything changes
   place_on_mesh: Callable[[int], None]           # (batch_size): the Variables on the mesh (nothing without one)
-  # (shared_args, inputs, targets): the first batch's loss check; its finish() when it runs beside the first step
-  check_loss_once: Callable[[Any, Any, Any], Optional[Callable[..., None]]]
+  # (shared_args, inputs, targets[, before_planning]): the first batch's loss check; its finish() when it runs
+  # beside the first step (or, before_planning, beside the planner)
+  check_loss_once: Callable[..., Optional[Callable[..., None]]]
   replan_finer: Callable[[int], str]             # (batch_size) -> what changed, after running out of memory
   note_compilations: Callable[[str, int], None]  # (phase, count): XLA compilations of a step
   step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
@@ -168,18 +169,25 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
         trainer.target.reset(layout.batch_size)
         trainer.reset_state()
       parts.place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
+      early = None
       if trainer.num_micro_batch == 'auto':
-        trainer.plan_memory(inputs, targets, options.shared_args)
+        # the first-batch check may start before planning, to compile beside the planner's compilations
+        early = parts.check_loss_once(options.shared_args, inputs, targets, True) if phase == 'fit' else None
+        with _finishing(early, report=False):
+          trainer.plan_memory(inputs, targets, options.shared_args)
+        if early is not None and trainer.num_micro_batch_for(layout.batch_size) == 1:
+          early(report=False)  # one micro-batch: accumulation trains the whole batch's loss, nothing to warn about
+          early = None
       update = last or (position + 1) % window == 0
       chunk = trainer.stream_chunks.get(layout.batch_size)
       if chunk is None:
         # once per trainer, changes nothing; compiled beside the first step, its warnings come after it
-        finish = parts.check_loss_once(options.shared_args, inputs, targets) if phase == 'fit' else None
+        finish = early or (parts.check_loss_once(options.shared_args, inputs, targets) if phase == 'fit' else None)
         with _finishing(finish):
           loss, aux = _run_step(trainer, parts, phase, _step_kind(trainer, phase, update), options, inputs,
                                 targets, layout.batch_size)
       else:
-        loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk)
+        loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk, early)
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
       if phase == 'fit':
         run.batch_trained(update)
@@ -198,16 +206,17 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
 
 
 @contextlib.contextmanager
-def _finishing(finish: Optional[Callable[..., None]]):
+def _finishing(finish: Optional[Callable[..., None]], report: bool = True):
   """Around the first step: then ``finish()`` the first-batch check running beside it (its warnings); if the
-  step raises, wait for the check without reporting it, so that no thread of it outlives ``fit``."""
+  step raises, wait for the check without reporting it, so that no thread of it outlives ``fit``.
+  ``report=False`` (around planning): only the wait on an error; the check goes on beside what follows."""
   try:
     yield
   except BaseException:
     if finish is not None:
       finish(report=False)
     raise
-  if finish is not None:
+  if finish is not None and report:
     finish()
 
 
@@ -243,8 +252,10 @@ def _run_step(trainer, parts: TrainerParts, phase: str, kind: str, options: Loop
 
 
 def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, options: LoopOptions, inputs, targets,
-                  layout, chunk: int):
+                  layout, chunk: int, early: Optional[Callable[..., None]] = None):
   """A batch streamed from the host (:mod:`~brainpy_accum.memory._stream`): each chunk's sums into the window, the last updates.
+
+  ``early``: the first-batch check started before planning, reported after the first chunk's step.
 
   Each chunk starts from its samples' slice of the whole batch's model state (reset at the batch size, as
   ``bp.BPTT`` resets it, so random initial states are the same draws) and writes its final state back.
@@ -259,7 +270,7 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       for name, (var, axis) in states.items():
         var.value = jax.lax.slice_in_dim(whole[name], start, start + size, axis=axis)
       trainer.plan_memory(x, y, options.shared_args)  # the shorter last chunk has its own plan
-      finish = parts.check_loss_once(options.shared_args, x, y) if phase == 'fit' and i == 0 else None
+      finish = (early or parts.check_loss_once(options.shared_args, x, y)) if phase == 'fit' and i == 0 else None
       kind = _step_kind(trainer, phase, update and i == len(sizes) - 1, streamed=True)
       with _finishing(finish):
         results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))

@@ -364,6 +364,8 @@ class Planning:
       if step_time is not None:
         return step_time([plan_of(s, r) for s, r in pairs])
       steps = [compile_(*pair) for pair in pairs]
+      if getattr(self, '_check_running', None) is not None:
+        self._check_running(report=False)  # the first-batch check compiles beside planning: not while timing
       seconds = time_steps([step.run for step in steps], rounds=2)
       # one compiled for training that does not fit after all (the quick probe measured otherwise) is never chosen
       return [t if step.memory.total <= self.memory_budget else float('inf') for t, step in zip(seconds, steps)]
