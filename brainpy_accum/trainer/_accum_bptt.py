@@ -157,9 +157,10 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
   whole_batch_loss : bool
     ``False`` (default): each micro-batch's loss is its own, and the combined
     gradient is exact for losses that are a (weighted) mean or sum of
-    per-sample terms. At the first batch :meth:`fit` checks once, with one
-    forward pass, whether the loss is such a mean and warns, with the
-    measured difference, if it is not. ``True``: exact for ANY loss of the
+    per-sample terms. At the first batch :meth:`fit` checks once, evaluating
+    ``loss_fun`` at random outputs (the model is not run), whether the loss
+    is such a mean and warns, with the measured difference, if it is not.
+    ``True``: exact for ANY loss of the
     whole batch's predictions and monitors (batch-wide firing-rate
     regularisers, batch statistics, maxima, contrastive terms), by two
     passes inside the one compiled step: every micro-batch runs forward

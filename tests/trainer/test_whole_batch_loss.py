@@ -175,7 +175,7 @@ def test_default_mode_is_silent_on_a_mean_over_samples(loss):
 
 
 def test_the_check_changes_nothing():
-  """The first batch's check runs a forward pass; the run equals one whose check is skipped."""
+  """The first batch's check (loss_fun at random outputs) changes nothing: the run equals one whose check is skipped."""
   case = 'batch_max_rnn'
   runs = []
   for checked in (True, False):
