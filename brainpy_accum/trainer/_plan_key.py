@@ -3,15 +3,16 @@
 The model (its classes, the code of their ``update`` methods, every Variable's shape and dtype: parameters,
 model states at the batch's size, optimizer state), the loss (its code), the batch (tree, shapes, dtypes), the
 options (budget, remat, reduction, windows, clipping, ...), the versions of Python, jax, jaxlib, brainpy,
-brainstate and this package, XLA's flags and the device kind. Code is hashed with :mod:`marshal`, which is
-exact for one Python version (the version is part of the key). Whatever the key misses (a constant a loss
+brainstate and this package, XLA's flags and the device kind. Code is hashed from its bytecode, constants and
+names, which are exact for one Python version (the version is part of the key). Whatever the key misses (a constant a loss
 captures, say) cannot make a plan unsafe: a cached plan's step is compiled again and must fit the budget.
 """
 
 import hashlib
-import marshal
+import json
 import os
 import platform
+import types
 from typing import Any, Optional
 
 import brainpy
@@ -34,7 +35,25 @@ def _code(fn: Any) -> Optional[str]:
   code = getattr(fn, '__code__', None)
   if code is None:
     return None if fn is None else type(fn).__qualname__
-  return hashlib.sha256(marshal.dumps(code)).hexdigest()[:24]
+  return hashlib.sha256(json.dumps(_code_parts(code)).encode()).hexdigest()[:24]
+
+
+def _code_parts(code: types.CodeType) -> list:
+  """What a code object computes, as JSON: its bytecode, constants (nested code objects likewise), names and
+  flags; not where it lies (file, lines). Not ``marshal.dumps``: its bytes depend on the reference counts of
+  the constants at the moment (its reference flags), so one function could get two keys in one process."""
+  return [code.co_code.hex(), [_const(c) for c in code.co_consts], list(code.co_names), list(code.co_varnames),
+          list(code.co_freevars), list(code.co_cellvars), code.co_argcount, code.co_kwonlyargcount, code.co_flags]
+
+
+def _const(value: Any) -> Any:
+  if isinstance(value, types.CodeType):
+    return _code_parts(value)
+  if isinstance(value, (tuple, list)):
+    return [type(value).__name__, [_const(v) for v in value]]
+  if isinstance(value, (frozenset, set)):  # its order changes with the string hash seed: sorted
+    return [type(value).__name__, sorted(json.dumps(_const(v)) for v in value)]
+  return [type(value).__name__, repr(value)]
 
 
 def _arrays(tree) -> list:

@@ -5,6 +5,7 @@ a fixed-plan run (``micro_batch_size=`` the planned size, no planner): the same 
 """
 
 import json
+import marshal
 import os
 import threading
 
@@ -16,6 +17,7 @@ from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting
 from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
+from brainpy_accum.trainer._plan_key import _code
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)
@@ -181,3 +183,16 @@ def test_a_batch_that_fits_whole_says_one_micro_batch(capsys):
   trainer.target.reset(6)
   trainer.plan_memory(x, y)
   assert '(1 micro-batch)' in capsys.readouterr().out
+
+
+def test_code_digest_does_not_depend_on_reference_counts():
+  """The plan key's digest of a function's code is the same however many references its constants have
+  (``marshal.dumps`` is not: its reference flags follow the counts, which gave one loss two keys in one
+  process, and a cached entry that the next trainer did not find)."""
+  namespace = {}
+  exec("def loss(p, t):\n  return ((p - t) ** 2).mean() * 1.5 + len('a constant string, not interned!')\n", namespace)
+  code = namespace['loss'].__code__
+  before, marshalled = _code(namespace['loss']), marshal.dumps(code)
+  held = list(code.co_consts) * 3  # more references to the constants
+  assert marshal.dumps(code) != marshalled  # the effect the digest must not have (CPython)
+  assert _code(namespace['loss']) == before and held
