@@ -420,7 +420,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     variables = list(self.vars().unique().values()) + random_states(self.target)
     with self._without_time_step_bars():
       finish = check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
-                                 plan_for=lambda size: plan, forward=self._forward, loss_of=self._loss_of,
+                                 plan=plan, forward=self._forward, loss_of=self._loss_of,
                                  weigh=self._weigh, variables=variables, jit=self.jit[c.FIT_PHASE],
                                  reduction=self.grad_reduction, declared=self.aux_reduction)
     self._check_running = finish  # the planner waits for it before timing trial steps

@@ -84,7 +84,14 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   forward = lambda micro_args, size: micro_args[2]  # the outputs' micro-batch, cut like the data
   micro_loss = lambda outputs, micro_args: loss_of(outputs, micro_args[1])
   weigh_data = lambda micro_args, size: weigh(micro_args[:2], size)
-  metrics_of = functools.partial(_metric_plan, loss_of, args, axes, declared or {}, reduction, plan.batch_size)
+  metric_plan = functools.partial(_metric_plan, loss_of, args, axes, declared or {}, reduction, plan.batch_size)
+  planned = []
+
+  def metrics_of(small, large, sizes):  # the same output shapes at both points: the metrics are planned once
+    if not planned:
+      planned.append(metric_plan(small, large, sizes))
+    return planned[0]
+
   wholes, combined = [], []
   for point in range(len(POINTS)):
     outputs = random_outputs(outputs_like, point, jax.random.PRNGKey(point))
@@ -121,12 +128,12 @@ def _metric_plan(loss_of: Callable, args: tuple, axes, declared, reduction: str,
 
 
 def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, reduction: str) -> None:
-  """Run ``compare() -> (whole, combined, gaps, metrics)``, give ``variables`` their values back, and warn if
-  they differ.
+  """Run ``compare(names) -> (whole, combined, metrics)`` (:func:`loss_at_random_outputs`'), give ``variables``
+  their values back, and warn if they differ.
 
   A check that fails warns instead of raising: it must never stop training that would run without it.
   """
-  names = _Names()  # the outputs and metrics compared, named while ``compare`` is traced
+  names = _Names()  # the metrics compared, named while ``compare`` is traced
   with values_restored(variables):
     try:
       result = compare(names)
@@ -251,23 +258,24 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
   return True
 
 
-def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan_for: Callable,
+def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan: MicroBatchPlan,
                       forward: Callable, loss_of: Callable, weigh: Callable, variables: Sequence, jit: bool,
                       reduction: str, declared: Optional[dict] = None) -> Optional[Callable[..., None]]:
   """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values.
 
-  ``check_batch(inputs, targets) -> BatchLayout``; ``plan_for(batch_size)``: the batch's micro-batches;
+  ``check_batch(inputs, targets) -> BatchLayout``; ``plan``: the micro-batches of the batch (of each device's
+  share, with a mesh): the check cuts the whole batch into micro-batches of its size;
   ``forward(shared_args)``: the model as ``forward(micro_args, size) -> outputs`` (traced only, for the outputs'
   shapes);
   ``loss_of(predicts, targets) -> (loss, aux)``; ``weigh(micro_args, size)``: a micro-batch's weight;
-  ``variables``: what the check must leave as it found it; ``jit``: compile the forward pass.
+  ``variables``: what the check must leave as it found it; ``jit``: compile the check.
 
   With ``jit`` the check is compiled and run beside the first train step (:func:`check_in_background`); the
   returned ``finish()``, called after that step, waits for it and warns. Without: it runs and warns now, and
   ``None`` is returned.
   """
-  layout = check_batch(inputs, targets)
-  plan = plan_micro_batches(layout.batch_size, micro_batch_size=plan_for(layout.batch_size).micro_batch_size)
+  # the whole batch cut into micro-batches of the plan's size (with a mesh the plan cuts one device's share)
+  plan = plan_micro_batches(check_batch(inputs, targets).batch_size, micro_batch_size=plan.micro_batch_size)
   if plan.num_micro_batches == 1:
     return None
 
@@ -289,8 +297,8 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
 
 
 class _Names:
-  """Lists to fill while tracing (outputs, metrics), hashable by identity, so that ``jit`` can take them as a
-  static argument."""
+  """A list to fill while tracing (the compared metrics), hashable by identity, so that ``jit`` can take it as
+  a static argument."""
 
   def __init__(self):
-    self.names, self.metrics = [], []
+    self.metrics = []

@@ -147,8 +147,8 @@ def test_both_passes_see_the_same_random_numbers():
 @pytest.mark.parametrize('case', [pytest.param(case, marks=() if case == 'rate_regulariser_snn' else pytest.mark.long)
                                   for case in ['rate_regulariser_snn', 'batch_max_rnn', 'contrastive_rnn']])
 def test_default_mode_warns_once_with_the_measured_difference(case):
-  # The check compares values on the first batch: the spiking network needs input strong enough to spike
-  # there (with no spike at all, a rate regulariser is the same constant on every micro-batch).
+  # The check compares the loss at random outputs in place of the network's, so it warns whatever the
+  # network does on the first batch.
   with pytest.warns(UserWarning, match=r'whole_batch_loss=True') as record:
     _fit(_trainer(AccumBPTT, case, num_micro_batch=3), case, num_epoch=2, drive=4.)
   coupled = [w for w in record if 'couples the samples' in str(w.message)]
