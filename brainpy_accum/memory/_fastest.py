@@ -4,10 +4,10 @@ A budget can be met by two levers: more micro-batches (smaller activations, but 
 steps) or remat (activations of ``sqrt(T)`` steps, for about one extra forward pass). Which is faster depends
 on the model and the device, so the planner measures rather than guesses. For each remat option a
 bisection (:func:`~brainpy_accum.memory._budget.largest_fitting`) finds the largest micro-batch that fits
-(memory by ahead-of-time compilation), searching remat plans only above the largest micro-batch that fits without remat (at or below
-it the same cut without remat is faster); a couple of finer cuts are added (small micro-batches can be faster
-on caches), and the fitting candidates are timed with a few trial steps, interleaved round by round; the
-fastest wins.
+(memory by ahead-of-time compilation), searching remat plans only above the largest micro-batch that fits
+without remat (at or below it the same cut without remat is faster); a couple of finer cuts may be added (small
+micro-batches can be faster on caches), and the fitting candidates are timed with a few trial steps,
+interleaved round by round; the fastest wins.
 
 XLA's ``cost_analysis()`` is not used to estimate time: it counts the body of a loop once, not once per
 iteration, so its flops fall with the micro-batch size although the step's work does not.
@@ -109,9 +109,12 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
   return min((c for c in weighed if c.fits), key=lambda c: c.seconds or 0.), weighed
 
 
-def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3, warm_up: bool = True) -> List[float]:
-  """Median seconds of each ``run()`` (which must block until done): one warm-up each, then ``rounds``
-  interleaved rounds, so that a slow moment of the machine slows every candidate alike."""
+def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3, warm_up: bool = True,
+               estimate: Callable[[Sequence[float]], float] = statistics.median) -> List[float]:
+  """Seconds of each ``run()`` (which must block until done): one warm-up each (unless not ``warm_up``), then
+  ``rounds`` interleaved rounds, so that a slow moment of the machine slows every candidate alike; ``estimate``
+  of each one's rounds (the median; ``min`` for two rounds without warm-up, where the first run of a new
+  executable is the slow one)."""
   for run in runs if warm_up else ():
     run()
   times = [[] for _ in runs]
@@ -120,13 +123,13 @@ def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3, warm_up: b
       start = time.perf_counter()
       run()
       spent.append(time.perf_counter() - start)
-  return [statistics.median(spent) for spent in times]
+  return [estimate(spent) for spent in times]
 
 
 def describe_choice(batch_size: int, budget: int, chosen: Candidate, weighed: Sequence[Candidate]) -> str:
   """The table of the candidates weighed and a line saying why ``chosen`` won."""
   lines = [f'memory plan for batch {batch_size}, memory_budget {format_memory(budget)}, remat=\'auto\' '
-           f'(step times: medians of trial steps):',
+           f'(step times: timed trial steps):',
            f'  {"micro-batch":>11}  {"remat":<20} {"memory":>10}  {"step time":>9}  fits']
   for c in weighed:
     shown = '-' if c.seconds is None else f'{c.seconds * 1e3:.1f} ms'

@@ -422,7 +422,8 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
       finish = check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
                                  plan=plan, forward=self._forward, loss_of=self._loss_of,
                                  weigh=self._weigh, variables=variables, jit=self.jit[c.FIT_PHASE],
-                                 reduction=self.grad_reduction, declared=self.aux_reduction)
+                                 reduction=self.grad_reduction, declared=self.aux_reduction,
+                                 has_metrics=self.loss_has_aux)
     self._check_running = finish  # the planner waits for it before timing trial steps
     return finish
 

@@ -73,18 +73,20 @@ def random_outputs(like, point: int, key):
 
 
 def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes, outputs_like, out_axes,
-                           plan: MicroBatchPlan, reduction: str, names=None, declared=None):
+                           plan: MicroBatchPlan, reduction: str, names=None, declared=None, has_metrics: bool = True):
   """``(whole, combined, metrics)``: at each of :data:`POINTS`, the loss of the whole batch and the combination
   (weighted mean, ``'sum'``: sum) of the micro-batch losses, with random outputs shaped ``outputs_like`` (the
   whole batch's; batch axes ``out_axes``) in place of the model's and the batch's own ``args``
   (``(inputs, targets)``, batch axes ``axes``). ``metrics``: the whole batch's scalar metrics and their
   combinations over the micro-batches (by ``declared``, the ``aux_reduction``) at point 0, two lists.
-  ``names``, if given, receives the metrics' paths. Only ``loss_fun`` runs: no model, nothing to restore.
+  ``names``, if given, receives the metrics' paths; ``has_metrics=False``: the loss has none (not traced for
+  their shapes). Only ``loss_fun`` runs: no model, nothing to restore.
   """
   forward = lambda micro_args, size: micro_args[2]  # the outputs' micro-batch, cut like the data
   micro_loss = lambda outputs, micro_args: loss_of(outputs, micro_args[1])
   weigh_data = lambda micro_args, size: weigh(micro_args[:2], size)
-  metric_plan = functools.partial(_metric_plan, loss_of, args, axes, declared or {}, reduction, plan.batch_size)
+  metric_plan = functools.partial(_metric_plan, loss_of if has_metrics else None, args, axes, declared or {},
+                                  reduction, plan.batch_size)
   planned = []
 
   def metrics_of(small, large, sizes):  # the same output shapes at both points: the metrics are planned once
@@ -113,10 +115,12 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   return jnp.stack(wholes), jnp.stack(combined), point_metrics
 
 
-def _metric_plan(loss_of: Callable, args: tuple, axes, declared, reduction: str, batch_size: int, small, large,
-                 sizes) -> MetricPlan:
+def _metric_plan(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,
+                 large, sizes) -> MetricPlan:
   """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``: the loss
-  alone is traced (``jax.eval_shape``), not the model."""
+  alone is traced (``jax.eval_shape``), not the model; ``loss_of=None``: a loss without metrics."""
+  if loss_of is None:
+    return plan_from_shapes({}, {}, sizes, declared, reduction, batch_size)
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
 
   def metrics_at(outputs, n):
@@ -260,7 +264,8 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
 
 def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan: MicroBatchPlan,
                       forward: Callable, loss_of: Callable, weigh: Callable, variables: Sequence, jit: bool,
-                      reduction: str, declared: Optional[dict] = None) -> Optional[Callable[..., None]]:
+                      reduction: str, declared: Optional[dict] = None, has_metrics: bool = True
+                      ) -> Optional[Callable[..., None]]:
   """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values.
 
   ``check_batch(inputs, targets) -> BatchLayout``; ``plan``: the micro-batches of the batch (of each device's
@@ -268,7 +273,8 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
   ``forward(shared_args)``: the model as ``forward(micro_args, size) -> outputs`` (traced only, for the outputs'
   shapes);
   ``loss_of(predicts, targets) -> (loss, aux)``; ``weigh(micro_args, size)``: a micro-batch's weight;
-  ``variables``: what the check must leave as it found it; ``jit``: compile the check.
+  ``variables``: what the check must leave as it found it; ``jit``: compile the check; ``declared``: the
+  metrics' ``aux_reduction``; ``has_metrics``: whether ``loss_of`` returns any (``loss_has_aux``).
 
   With ``jit`` the check is compiled and run beside the first train step (:func:`check_in_background`); the
   returned ``finish()``, called after that step, waits for it and warns. Without: it runs and warns now, and
@@ -287,7 +293,7 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
     out_axes = output_axes(small, large)
     return loss_at_random_outputs(loss_of, weigh, (inputs, targets), axes,
                                   whole_batch_like(small, out_axes, plan.batch_size), out_axes, plan, reduction,
-                                  names, declared)
+                                  names, declared, has_metrics)
 
   if jit:  # it runs once: compiled quickly (unoptimised code), beside the first step
     return check_in_background(bm.jit(compare, static_argnums=(0, 1)), shared_args, inputs, targets, variables,

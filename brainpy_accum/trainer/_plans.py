@@ -366,7 +366,9 @@ class Planning:
       steps = [compile_(*pair) for pair in pairs]
       if getattr(self, '_check_running', None) is not None:
         self._check_running(report=False)  # the first-batch check compiles beside planning: not while timing
-      seconds = time_steps([step.run for step in steps], rounds=2)
+      # two interleaved runs each, the faster kept: the first run of a new executable is the slow one (about
+      # 20% on CPU), so this is the second's time, for one run less per candidate than a warm-up and two rounds
+      seconds = time_steps([step.run for step in steps], rounds=2, warm_up=False, estimate=min)
       # one compiled for training that does not fit after all (the quick probe measured otherwise) is never chosen
       return [t if step.memory.total <= self.memory_budget else float('inf') for t, step in zip(seconds, steps)]
 
