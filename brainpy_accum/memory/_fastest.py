@@ -114,7 +114,17 @@ def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3, warm_up: b
   """Seconds of each ``run()`` (which must block until done): one warm-up each (unless not ``warm_up``), then
   ``rounds`` interleaved rounds, so that a slow moment of the machine slows every candidate alike; ``estimate``
   of each one's rounds (the median; ``min`` for two rounds without warm-up, where the first run of a new
-  executable is the slow one)."""
+  executable is the slow one).
+
+  Examples
+  --------
+  >>> from brainpy_accum.memory import time_steps
+  >>> order = []
+  >>> seconds = time_steps([lambda: order.append('a'), lambda: order.append('b')], rounds=2, warm_up=False,
+  ...                      estimate=min)
+  >>> order, len(seconds)
+  (['a', 'b', 'a', 'b'], 2)
+  """
   for run in runs if warm_up else ():
     run()
   times = [[] for _ in runs]
