@@ -11,7 +11,7 @@ These are the host-side pieces: which chunk sizes to try, slicing the batch, and
 losses and metrics into the batch's, as :class:`brainpy.BPTT` would report them.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -19,7 +19,7 @@ import numpy as np
 from ..core._batch import is_array
 from ..core._metrics import combine_on_host
 
-__all__ = ['chunk_candidates', 'chunk_sizes', 'host_chunk', 'combine']
+__all__ = ['best_chunk', 'chunk_candidates', 'chunk_sizes', 'host_chunk', 'combine']
 
 
 def chunk_candidates(batch_size: int) -> List[int]:
@@ -37,6 +37,34 @@ def chunk_candidates(batch_size: int) -> List[int]:
       sizes.append(size)
     parts *= 2
   return sizes
+
+
+def best_chunk(batch_size: int, micro_batch_of: Callable[[int], Optional[int]]) -> Optional[int]:
+  """The chunk size to stream a batch in: of the :func:`chunk_candidates` whose step fits, the one with the
+  largest micro-batches (the fewest sequential micro-batch steps per batch), then the largest chunk (the fewest
+  transfers); ``None`` if none fits.
+
+  ``micro_batch_of(chunk)`` plans a chunk size (compilations) and gives its micro-batch size, or ``None`` if
+  its step does not fit. Chunks are planned largest first, and the search stops once the chunks left hold no
+  more samples than the largest micro-batch found: their micro-batches cannot be larger, and a tie goes to the
+  larger chunk. So nothing is planned that cannot win, and the answer is that of planning every candidate.
+
+  Examples
+  --------
+  >>> planned = []
+  >>> best_chunk(64, lambda chunk: planned.append(chunk) or min(chunk, 12))  # micro-batches of 12 at most
+  32
+  >>> planned  # 8 and smaller chunks cannot hold micro-batches of more than 12
+  [32, 16]
+  """
+  fitting: Dict[int, int] = {}
+  for chunk in chunk_candidates(batch_size):
+    if fitting and chunk <= max(fitting.values()):
+      break
+    micro = micro_batch_of(chunk)
+    if micro is not None:
+      fitting[chunk] = micro
+  return max(fitting, key=lambda c: (fitting[c], c)) if fitting else None
 
 
 def chunk_sizes(batch_size: int, chunk: int) -> List[int]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Si
 import brainpy.math as bm
 import brainstate.environ
 import jax
+import jax.numpy as jnp
 from brainpy import tools
 from tqdm import tqdm
 
@@ -262,6 +263,9 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
   """
   states = batched_variables(trainer.target, layout.batch_size)
   whole = {name: all_samples(name, var, axis, layout.batch_size) for name, (var, axis) in states.items()}
+  # each chunk's final state, joined after the last: every chunk starts from a slice of the state as fit left
+  # it (weakly typed after a reset, as bp.BPTT's step takes it), so every chunk's step is the same program
+  finals: Dict[str, list] = {name: [] for name in states}
   sizes, results, weights, start = chunk_sizes(layout.batch_size, chunk), [], [], 0
   with declared_batch_axes(states.values()):
     for i, size in enumerate(sizes):
@@ -275,11 +279,11 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       with _finishing(finish):
         results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))
       weights.append(size if trainer.loss_weight_fn is None else float(trainer.loss_weight_fn(x, y)))
-      for name, (var, axis) in states.items():
-        whole[name] = jax.lax.dynamic_update_slice_in_dim(whole[name], bm.as_jax(var.value), start, axis=axis)
+      for name, (var, _) in states.items():
+        finals[name].append(bm.as_jax(var.value))
       start += size
     for name, (var, axis) in states.items():
-      var.value = whole[name]
+      var.value = jnp.concatenate(finals[name], axis=axis)
   return combine(results, weights, trainer.grad_reduction, parts.metric_plan(), sizes)
 
 

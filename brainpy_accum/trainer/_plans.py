@@ -23,7 +23,7 @@ from ..core._states import batched_variables, declared_batch_axes, values_restor
 from ..memory._budget import StepMemory, choose_micro_batch_size, format_memory, memory_parts
 from ..memory._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ..memory._oom import finer_plan
-from ..memory._stream import chunk_candidates, host_chunk
+from ..memory._stream import best_chunk, host_chunk
 from ._plan_key import plan_key
 from ._target_axes import decide_target_axes, predict_shapes_of
 
@@ -300,35 +300,33 @@ class Planning:
                    error: Optional[ValueError]) -> MicroBatchPlan:
     """The batch's data does not fit beside its step: stream it from the host in chunks (:mod:`~brainpy_accum.memory._stream`).
 
-    Of the chunk sizes whose step fits, the one with the largest micro-batches (the fewest sequential
-    micro-batch steps per batch), then the largest chunk (the fewest transfers). Chunks are tried largest
-    first; the search stops at a chunk that runs as one micro-batch, since smaller chunks cannot do better.
+    The chunk size is :func:`~brainpy_accum.memory._stream.best_chunk`'s: of the chunk sizes whose step
+    fits, the one with the largest micro-batches, then the largest chunk; chunks that cannot win are not planned.
     """
     batch_size = layout.batch_size
     variables = list(self.vars().unique().values()) + random_states(self.target)
-    fitting = []
-    with values_restored(variables, any_shape=True):  # resets draw random numbers: all is put back as it was
-      for chunk in chunk_candidates(batch_size):
+
+    def micro_batch_of(chunk: int) -> Optional[int]:  # the chunk's planned micro-batch size; None: it does not fit
+      if chunk not in self.memory_plans:
         chunk_data = [host_chunk(tree, axes, 0, chunk) for tree, axes in
                       ((inputs, layout.input_axes), (targets, layout.target_axes))]
-        if chunk not in self.memory_plans:
-          self.target.reset(chunk)  # the chunk's step takes the model state at the chunk's size
-          if self._argument_bytes(*chunk_data) > self.memory_budget:
-            continue  # its arguments alone exceed the budget: nothing to compile
-          try:
-            self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, compilers,
-                             via_window=True)
-          except ValueError:
-            continue
-        fitting.append(chunk)
-        if self.memory_plans[chunk][0].num_micro_batches == 1:
-          break
-    if not fitting:
+        self.target.reset(chunk)  # the chunk's step takes the model state at the chunk's size
+        if self._argument_bytes(*chunk_data) > self.memory_budget:
+          return None  # its arguments alone exceed the budget: nothing to compile
+        try:
+          self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, compilers,
+                           via_window=True)
+        except ValueError:
+          return None
+      return self.memory_plans[chunk][0].micro_batch_size
+
+    with values_restored(variables, any_shape=True):  # resets draw random numbers: all is put back as it was
+      chunk = best_chunk(batch_size, micro_batch_of)
+    if chunk is None:
       if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
         self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
         return self.memory_plans[batch_size][0]
       raise error
-    chunk = max(fitting, key=lambda c: (self.memory_plans[c][0].micro_batch_size, c))
     self.stream_chunks[batch_size] = chunk
     plan, used = self.memory_plans[chunk]
     tqdm.write(f'memory plan: batch {batch_size} does not fit memory_budget {format_memory(self.memory_budget)} '

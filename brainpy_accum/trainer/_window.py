@@ -12,7 +12,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
 import brainpy.math as bm
 import jax.numpy as jnp
 
-from ..core._combine import wide_zeros_like
+from ..core._combine import same_type, wide_zeros_like
 from ..core._cut import check_positive_int, is_int
 
 __all__ = ['GradWindow', 'check_accumulate_steps', 'steps_for_epoch', 'with_last_flag']
@@ -90,7 +90,9 @@ class GradWindow:
     """Add already weighted gradient sums (one device's, inside a shard) and their weight."""
     grad_sums, weight = _kept(grad_sums, weight, keep)
     for k, var in self.grads.items():
-      var.value = var.value + grad_sums[k].astype(var.dtype)  # broadcasts over a device row
+      # broadcasts over a device row; the sum keeps the window's weak type (that of its parameter), so that
+      # the next step takes the same abstract inputs (no second compilation)
+      var.value = same_type(var.value + grad_sums[k].astype(var.dtype), var.value)
     self.weight.value = self.weight.value + weight
 
   def take_sums(self):

@@ -8,9 +8,11 @@ model state, also with random initial states (drawn at the whole batch's size), 
 import brainpy as bp
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from brainpy_accum import AccumBPTT
-from brainpy_accum.memory._stream import chunk_candidates, chunk_sizes, combine
+from brainpy_accum.diagnostics._compiles import count_compilations
+from brainpy_accum.memory._stream import best_chunk, chunk_candidates, chunk_sizes, combine
 from helpers import assert_trees_close, make_batches, make_model, params_of
 from test_training_loop import windows
 
@@ -42,9 +44,19 @@ def test_batch_several_times_the_budget_trains_as_bptt():
   assert set(trainer.stream_chunks) == {48, 21}
   for size, chunk in trainer.stream_chunks.items():
     assert chunk < size and trainer.memory_plans[chunk][1] <= budget
+  steps = set()  # (step, chunk size): every chunk but the last adds to the window, the last also updates
+  for size, chunk in trainer.stream_chunks.items():
+    sizes = chunk_sizes(size, chunk)
+    steps |= {('collect', c) for c in sizes[:-1]} | {('close', sizes[-1])}
+  # one compilation per step and chunk shape, however many chunks, batches and updates: a chunk's model state
+  # and the window's sums keep their weak types from one chunk and one update to the next
+  assert trainer.compilations['fit'] == len(steps)
   assert_trees_close(params_of(trainer.target), params_of(reference.target))
   np.testing.assert_allclose(trainer.train_losses, reference.train_losses, rtol=1e-5)
   assert_trees_close(trainer.target.lif.V.value, reference.target.lif.V.value)  # the whole batch's final state
+  with count_compilations() as compiled:
+    trainer.fit(batches, num_epoch=1)
+  assert compiled() == 0
 
 
 @pytest.mark.long  # the long suite (--long)
@@ -82,6 +94,18 @@ def test_batch_that_fits_is_not_streamed():
                       memory_budget='64MiB')
   trainer.fit(batches, num_epoch=1)
   assert trainer.stream_chunks == {} and trainer.memory_plans[8][0].num_micro_batches == 1
+
+
+@given(batch_size=st.integers(2, 300), data=st.data())
+def test_chunk_search_plans_only_chunks_that_can_win_and_picks_as_planning_all(batch_size, data):
+  candidates = chunk_candidates(batch_size)
+  micro = {c: data.draw(st.one_of(st.none(), st.integers(1, c))) for c in candidates}  # a plan fits at most its chunk
+  planned = []
+  chosen = best_chunk(batch_size, lambda c: planned.append(c) or micro[c])
+  fitting = [c for c in candidates if micro[c] is not None]
+  assert chosen == (max(fitting, key=lambda c: (micro[c], c)) if fitting else None)
+  for i, c in enumerate(planned):  # each planned chunk could still win when it was planned
+    assert c > max([micro[p] for p in planned[:i] if micro[p] is not None], default=0)
 
 
 def test_chunk_arithmetic_and_combined_metrics():
