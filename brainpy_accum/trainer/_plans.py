@@ -11,6 +11,7 @@ import functools
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
+import brainpy.math as bm
 import jax
 import numpy as np
 from brainpy import tools
@@ -160,8 +161,9 @@ class Planning:
     if batch_size in self.stream_chunks:
       return self.memory_plans[self.stream_chunks[batch_size]][0]
     if batch_size not in self.memory_plans:
-      if may_stream and batch_size > 1 and self._argument_bytes(inputs, targets) > self.memory_budget:
-        # arithmetic, no compilation: the step's arguments alone exceed the budget, so no cut of it fits
+      if may_stream and batch_size > 1 and self._fixed_bytes_at_least(inputs, targets) > self.memory_budget:
+        # arithmetic, no compilation: the step's arguments and updated parameters alone exceed the budget,
+        # so no cut of it fits
         return self._plan_stream(layout, shared_args, inputs, targets, step_time, compilers, None)
       variables = list(self.vars().unique().values()) + random_states(self.target)
       try:
@@ -181,6 +183,18 @@ class Planning:
     variables = {id(v): v for v in list(self.vars().unique().values()) + random_states(self.target)}
     leaves = [v.value for v in variables.values()] + jax.tree_util.tree_leaves((inputs, targets))
     return sum(int(getattr(x, 'nbytes', 0)) for x in leaves)  # typed random keys: the bytes of their data
+
+  def _fixed_bytes_at_least(self, inputs, targets) -> int:
+    """A lower bound of the fixed part of the train step's memory (:class:`StepMemory`'s ``fixed``), known
+    without compiling: its arguments (:meth:`_argument_bytes`) and the outputs that every update writes anew,
+    the trained parameters and the optimizer's state shaped like them (its moments). No argument is donated,
+    so no output shares an argument's buffer; whatever else the step writes only adds to the figure."""
+    params = list(self.target.train_vars().unique().values())
+    shapes = {(tuple(np.shape(v.value)), str(bm.as_jax(v.value).dtype)) for v in params}
+    moments = [v for v in self.optimizer.vars().unique().values()
+               if (tuple(np.shape(v.value)), str(bm.as_jax(v.value).dtype)) in shapes]
+    written = {id(v): v for v in params + moments}
+    return self._argument_bytes(inputs, targets) + sum(int(bm.as_jax(v.value).nbytes) for v in written.values())
 
   def _plan_batch(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
                   via_window: bool = False) -> None:
@@ -311,8 +325,8 @@ class Planning:
         chunk_data = [host_chunk(tree, axes, 0, chunk) for tree, axes in
                       ((inputs, layout.input_axes), (targets, layout.target_axes))]
         self.target.reset(chunk)  # the chunk's step takes the model state at the chunk's size
-        if self._argument_bytes(*chunk_data) > self.memory_budget:
-          return None  # its arguments alone exceed the budget: nothing to compile
+        if self._fixed_bytes_at_least(*chunk_data) > self.memory_budget:
+          return None  # its arguments and updated parameters alone exceed the budget: nothing to compile
         try:
           self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, compilers,
                            via_window=True)

@@ -4,7 +4,7 @@ import brainpy as bp
 import pytest
 
 from brainpy_accum import AccumBPTT, parse_memory, plan_micro_batches
-from brainpy_accum.memory._budget import candidate_micro_batch_sizes
+from brainpy_accum.memory._budget import candidate_micro_batch_sizes, step_memory
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)
@@ -76,6 +76,23 @@ def test_planner_names_the_budget_that_would_fit():
                                        r'one sample need .* Raise memory_budget to at least \d+'):
     trainer.fit([(x, y)], num_epoch=1)
   assert_trees_close(params_of(trainer.target), params, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('optimizer, via_window', [
+  (lambda: bp.optim.Adam(lr=0.05), False), (lambda: bp.optim.Momentum(lr=0.05), True), (lambda: bp.optim.SGD(lr=0.05), False)])
+def test_arithmetic_bound_of_the_fixed_bytes_never_exceeds_xlas(optimizer, via_window):
+  """The planner skips compiling a batch (or chunk) whose arguments and updated parameters alone exceed the
+  budget: that figure must be a lower bound of XLA's fixed bytes (arguments + outputs - aliases), and a close one."""
+  x, y = _batch(size=24, num_time=10)
+  trainer = AccumBPTT(make_model('rnn', n_in=8, n_hidden=64, n_out=4), bp.losses.mean_squared_error,
+                      optimizer=optimizer(), progress_bar=False, num_micro_batch='auto', memory_budget='1GiB')
+  trainer.target.reset(24)
+  fixed = step_memory(trainer.compile_step(x, y, plan=plan_micro_batches(24, num_micro_batch=2),
+                                           via_window=via_window, quick=True)).fixed
+  bound = trainer._fixed_bytes_at_least(x, y)
+  assert trainer._argument_bytes(x, y) < bound <= fixed, (bound, fixed)
+  if not via_window:  # a window's step also writes its sums, which the bound leaves out
+    assert fixed < 1.2 * bound, (bound, fixed)
 
 
 def test_unplanned_batch_size_is_explained():
