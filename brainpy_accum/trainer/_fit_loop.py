@@ -176,9 +176,10 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
         early = parts.check_loss_once(options.shared_args, inputs, targets, True) if phase == 'fit' else None
         with _finishing(early, report=False):
           trainer.plan_memory(inputs, targets, options.shared_args)
-        if early is not None and trainer.num_micro_batch_for(layout.batch_size) == 1:
+        if (early is not None and layout.batch_size not in trainer.stream_chunks
+            and trainer.num_micro_batch_for(layout.batch_size) == 1):
           early(report=False)  # one micro-batch: accumulation trains the whole batch's loss, nothing to warn about
-          early = None
+          early = None  # (a streamed batch's chunks are combined like micro-batches: its check stays)
       update = last or (position + 1) % window == 0
       chunk = trainer.stream_chunks.get(layout.batch_size)
       if chunk is None:

@@ -6,11 +6,12 @@ model state, also with random initial states (drawn at the whole batch's size), 
 """
 
 import brainpy as bp
+import brainpy.math as bm
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from brainpy_accum import AccumBPTT
+from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.memory._stream import best_chunk, chunk_candidates, chunk_sizes, combine
 from helpers import assert_trees_close, make_batches, make_model, params_of
@@ -18,6 +19,7 @@ from test_training_loop import windows
 
 
 N_IN, N_HIDDEN, T = 64, 8, 20
+FIT = bp.tools.DotDict(fit=True)
 
 
 def _model():
@@ -94,6 +96,31 @@ def test_batch_that_fits_is_not_streamed():
                       memory_budget='64MiB')
   trainer.fit(batches, num_epoch=1)
   assert trainer.stream_chunks == {} and trainer.memory_plans[8][0].num_micro_batches == 1
+
+
+def test_first_batch_check_started_before_planning_stays_when_the_batch_is_streamed():
+  """A batch whose data is well within the budget (so the loss check starts before planning) can still be
+  streamed, when its step does not fit at one sample per micro-batch but a chunk's does; its chunks combine
+  like micro-batches, so the check must report (this once raised 'No micro-batch plan for batch_size=2')."""
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(2, 400, 48).astype('float32'), rng.randn(2, 400, 4).astype('float32')
+  coupled = lambda p, t: bp.losses.mean_squared_error(p, t) + 1e-4 * bm.sum(p)  # a sum over the batch
+
+  def trainer(budget):
+    return AccumBPTT(make_model('rnn', n_in=48, n_hidden=64, n_out=4), coupled, optimizer=bp.optim.Adam(lr=0.01),
+                     progress_bar=False, num_micro_batch='auto', memory_budget=budget, cache=False)
+
+  probe = trainer('1GiB')
+  probe.target.reset(2)
+  whole = probe.compiled_step_bytes(plan_micro_batches(2, micro_batch_size=1), FIT, x, y)
+  probe.target.reset(1)
+  chunk = probe.compiled_step_bytes(plan_micro_batches(1, micro_batch_size=1), FIT, x[:1], y[:1], via_window=True)
+  budget = (whole + chunk) // 2
+  assert chunk < budget < whole and 2 * probe._argument_bytes(x, y) <= budget  # the case: checked before planning
+  streamed = trainer(budget)
+  with pytest.warns(UserWarning, match='couples the samples'):
+    streamed.fit([(x, y)], num_epoch=1)
+  assert streamed.stream_chunks == {2: 1}
 
 
 @given(batch_size=st.integers(2, 300), data=st.data())
