@@ -189,10 +189,10 @@ class Planning:
     without compiling: its arguments (:meth:`_argument_bytes`) and the outputs that every update writes anew,
     the trained parameters and the optimizer's state shaped like them (its moments). No argument is donated,
     so no output shares an argument's buffer; whatever else the step writes only adds to the figure."""
+    kind = lambda var: (np.shape(var.value), bm.as_jax(var.value).dtype)
     params = list(self.target.train_vars().unique().values())
-    shapes = {(tuple(np.shape(v.value)), str(bm.as_jax(v.value).dtype)) for v in params}
-    moments = [v for v in self.optimizer.vars().unique().values()
-               if (tuple(np.shape(v.value)), str(bm.as_jax(v.value).dtype)) in shapes]
+    shapes = {kind(v) for v in params}
+    moments = [v for v in self.optimizer.vars().unique().values() if kind(v) in shapes]
     written = {id(v): v for v in params + moments}
     return self._argument_bytes(inputs, targets) + sum(int(bm.as_jax(v.value).nbytes) for v in written.values())
 
@@ -376,7 +376,7 @@ class Planning:
       if step_time is not None:
         return step_time([plan_of(s, r) for s, r in pairs])
       steps = [compile_(*pair) for pair in pairs]
-      if getattr(self, '_check_running', None) is not None:
+      if self._check_running is not None:
         self._check_running(report=False)  # the first-batch check compiles beside planning: not while timing
       # two interleaved runs each, the faster kept: the first run of a new executable is the slow one (about
       # 20% on CPU), so this is the second's time, for one run less per candidate than a warm-up and two rounds
