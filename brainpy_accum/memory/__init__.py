@@ -2,8 +2,8 @@
 
 ``_budget``: the fewest micro-batches whose compiled step fits ``memory_budget``; ``_fastest``: with
 ``remat='auto'``, the fastest (micro-batches, remat) plan that fits; ``_remat``: the checkpointed time loop;
-``_stream``: batches larger than the device, streamed from the host in chunks; ``_oom``: cut finer and retry
-after the device ran out of memory.
+``_stream``: batches larger than the device, streamed from the host in chunks; ``_live``: a lower bound of a
+step's memory from its trace, without compiling; ``_oom``: cut finer and retry after the device ran out of memory.
 """
 
 from ._budget import compiled_step_bytes as compiled_step_bytes

@@ -18,8 +18,9 @@ import numpy as np
 
 from ..core._batch import is_array
 from ..core._metrics import combine_on_host
+from ._budget import candidate_micro_batch_sizes
 
-__all__ = ['best_chunk', 'chunk_candidates', 'chunk_sizes', 'host_chunk', 'combine']
+__all__ = ['best_chunk', 'chunk_candidates', 'chunk_sizes', 'host_chunk', 'combine', 'likely_chunk']
 
 
 def chunk_candidates(batch_size: int) -> List[int]:
@@ -39,32 +40,70 @@ def chunk_candidates(batch_size: int) -> List[int]:
   return sizes
 
 
-def best_chunk(batch_size: int, micro_batch_of: Callable[[int], Optional[int]]) -> Optional[int]:
+def best_chunk(batch_size: int, micro_batch_of: Callable[[int], Optional[int]], *,
+               can_hold: Optional[Callable[[int, int], bool]] = None, first: Optional[int] = None) -> Optional[int]:
   """The chunk size to stream a batch in: of the :func:`chunk_candidates` whose step fits, the one with the
   largest micro-batches (the fewest sequential micro-batch steps per batch), then the largest chunk (the fewest
   transfers); ``None`` if none fits.
 
-  ``micro_batch_of(chunk)`` plans a chunk size (compilations) and gives its micro-batch size, or ``None`` if
-  its step does not fit. Chunks are planned largest first, and the search stops once the chunks left hold no
-  more samples than the largest micro-batch found: their micro-batches cannot be larger, and a tie goes to the
-  larger chunk. So nothing is planned that cannot win, and the answer is that of planning every candidate.
+  ``micro_batch_of(chunk)`` plans a chunk size (compilations) and gives the largest micro-batch size whose
+  step fits it, or ``None`` if none does. ``first`` is planned first (a guess of the winner, :func:`likely_chunk`), then the
+  others largest first. A chunk is not planned when it cannot win: when it holds no more samples than the
+  largest micro-batch found (a tie goes to the larger chunk), or when ``can_hold(chunk, micro)``, given,
+  says that no step of micro-batches of ``micro`` samples fits it, for the smallest cut of the chunk that
+  would win (memory grows with the micro-batch, so no larger cut fits either). So the answer is that of
+  planning every candidate; the guess and ``can_hold`` only save planning.
 
   Examples
   --------
+  >>> from brainpy_accum.memory._budget import candidate_micro_batch_sizes
+  >>> def micro_batch_of(chunk):  # cuts of 12 samples or fewer fit
+  ...   planned.append(chunk)
+  ...   return max(s for s in candidate_micro_batch_sizes(chunk) if s <= 12)
   >>> planned = []
-  >>> best_chunk(64, lambda chunk: planned.append(chunk) or min(chunk, 12))  # micro-batches of 12 at most
+  >>> best_chunk(64, micro_batch_of)  # 32 in micro-batches of 11 (11, 11, 10)
   32
-  >>> planned  # 8 and smaller chunks cannot hold micro-batches of more than 12
+  >>> planned  # 16 may hold more than 11 (in one piece); 8 and smaller chunks cannot
   [32, 16]
+  >>> planned = []
+  >>> best_chunk(64, micro_batch_of, can_hold=lambda chunk, micro: micro <= 12)
+  32
+  >>> planned  # 16 would win only in one piece of 16, which does not fit
+  [32]
   """
+  candidates = chunk_candidates(batch_size)
+  order = ([first] if first in candidates else []) + [c for c in candidates if c != first]
   fitting: Dict[int, int] = {}
-  for chunk in chunk_candidates(batch_size):
-    if fitting and chunk <= max(fitting.values()):
-      break
+  for chunk in order:
+    if fitting:
+      best_micro, best = max((micro, c) for c, micro in fitting.items())
+      need = best_micro if chunk > best else best_micro + 1  # the micro-batch size that would win
+      if need > chunk:
+        continue
+      if can_hold is not None and not can_hold(chunk, min(s for s in candidate_micro_batch_sizes(chunk) if s >= need)):
+        continue
     micro = micro_batch_of(chunk)
     if micro is not None:
       fitting[chunk] = micro
   return max(fitting, key=lambda c: (fitting[c], c)) if fitting else None
+
+
+def likely_chunk(batch_size: int, budget: int, fixed_of: Callable[[int], float], per_sample: Sequence[float]) -> int:
+  """The chunk that a line predicts to hold the largest micro-batches (then the largest chunk): the step of
+  a chunk of ``chunk`` samples cut in micro-batches of ``micro`` needs about ``fixed_of(chunk) + slope *
+  micro`` bytes, for the best of the ``per_sample`` slopes (one per remat option). A guess for
+  :func:`best_chunk` to plan first, never trusted: it only orders the planning.
+
+  Examples
+  --------
+  >>> likely_chunk(256, 100, fixed_of=lambda chunk: 40 + chunk / 4, per_sample=[2.])  # 64: 56 + 2 * 22
+  64
+  """
+  def predicted(chunk):
+    room = budget - fixed_of(chunk)
+    fitting = [s for s in candidate_micro_batch_sizes(chunk) if any(slope * s <= room for slope in per_sample)]
+    return max(fitting, default=0), chunk
+  return max(chunk_candidates(batch_size), key=predicted)
 
 
 def chunk_sizes(batch_size: int, chunk: int) -> List[int]:

@@ -37,6 +37,7 @@ from ..core._two_pass import Devices, two_pass_sums
 from ..diagnostics._compiles import QUICK_COMPILE, Compilations
 from ..memory._budget import StepMemory, compiled_step_bytes, parse_memory, step_memory
 from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
+from ..memory._live import temp_bytes_at_least
 from ._arguments import (check_accumulation_args, check_remat, check_update_args, check_whole_batch_loss,
                          warn_batch_statistics)
 from ._coupled_loss import MEANS_OVER_ELEMENTS, check_first_batch
@@ -303,7 +304,9 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
     self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
     self._jit_step_func_close = bm.jit(self._step_func_close, static_argnums=(0,))
-    self._kept_steps: Dict[int, Any] = {}  # batch size -> the planner's compiled train step, which fit runs
+    # (kind, batch size) -> the planner's compiled step, which fit runs: 'fit', or 'close' (a streamed batch's
+    # last chunk, whose step is the one the planner compiles for a chunk)
+    self._kept_steps: Dict[Tuple[str, int], Any] = {}
 
   @property
   def _needs_window(self) -> bool:
@@ -481,15 +484,27 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     """
     shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
     return self._plan_memory(inputs, targets, shared_args, step_time,
-                             Compilers(self._probe_memory, self._planned_step, self._keepable), self._may_stream)
+                             Compilers(self._probe_memory, self._planned_step, self._keepable, self._bytes_at_least), self._may_stream)
 
   def _probe_memory(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
     """The planner's quick probe: the step's memory, compiled without optimising its code."""
     return step_memory(self.compile_step(inputs, targets, shared_args, plan=plan, via_window=via_window, quick=True))
 
+  def _bytes_at_least(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
+    """A lower bound of the step's memory for ``plan``, from its trace alone (no compilation): the fixed bytes
+    known by arithmetic and the temporaries that its jaxpr's loops must hold (:mod:`~brainpy_accum.memory._live`).
+    0 on a mesh, where the figures are per device."""
+    if self.mesh is not None:
+      return 0
+    step = bm.jit(functools.partial(self._train_step, plan=plan, via_window=via_window), static_argnums=(0,))
+    with self._without_time_step_bars(), self._tracing(plan):
+      jaxpr = step.stateful_fun.get_jaxpr(shared_args, inputs, targets)
+    return self._fixed_bytes_at_least(inputs, targets) + temp_bytes_at_least(jaxpr)
+
   def _keepable(self, via_window: bool) -> bool:
-    """Whether fit can run the planner's compiled step itself: the plain train step, jitted, without a mesh."""
-    return not via_window and self.accumulate_steps == 1 and self.mesh is None and bool(self.jit[c.FIT_PHASE])
+    """Whether fit can run the planner's compiled step itself, jitted, without a mesh or an ``accumulate_steps``
+    window: the train step, or through the window (``via_window``) the step of a streamed batch's last chunk."""
+    return self.accumulate_steps == 1 and self.mesh is None and bool(self.jit[c.FIT_PHASE])
 
   def _planned_step(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> PlannedStep:
     """The train step compiled for ``plan`` as fit runs it; its ``keep()`` makes fit run this executable for the
@@ -510,7 +525,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
 
     def keep():
       if self._keepable(via_window):
-        self._kept_steps[batch_size] = step
+        self._kept_steps['close' if via_window else 'fit', batch_size] = step
         self.trace_counts['fit'] += 1  # its trace and compilation are fit's: fit will not repeat them
         self._note_compilations(c.FIT_PHASE, 1)
 
@@ -621,13 +636,14 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
 
   def _step_of(self, kind: str):
     """The compiled step that the fit loop runs: ``'loss'``, ``'fit'``, ``'collect'`` or ``'close'``."""
-    if kind == 'fit' and self._kept_steps:
-      return self._kept_or_fit
-    return {'loss': self.f_loss, 'fit': self.f_train, 'collect': self._f_collect, 'close': self._f_close}[kind]
+    steps = {'loss': self.f_loss, 'fit': self.f_train, 'collect': self._f_collect, 'close': self._f_close}
+    if any(kept == kind for kept, _ in self._kept_steps):
+      return functools.partial(self._kept_or_jitted, kind, steps[kind])
+    return steps[kind]
 
-  def _kept_or_fit(self, shared_args, inputs, targets):
-    """The train step: the planner's compiled one for this batch size if it kept one, else bp.BPTT's jitted one."""
-    step = self._kept_steps.get(self._check_batch(inputs, targets).batch_size, self.f_train)
+  def _kept_or_jitted(self, kind: str, jitted, shared_args, inputs, targets):
+    """The ``kind`` step: the planner's compiled one for this batch size if it kept one, else ``jitted``."""
+    step = self._kept_steps.get((kind, self._check_batch(inputs, targets).batch_size), jitted)
     return step(shared_args, inputs, targets)
 
   @property

@@ -22,9 +22,9 @@ from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import batch_spec, check_divisible, mesh_size, random_states
 from ..core._states import batched_variables, declared_batch_axes, values_restored
 from ..memory._budget import StepMemory, choose_micro_batch_size, format_memory, memory_parts
-from ..memory._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
+from ..memory._fastest import REMAT_OPTIONS, Candidate, choose_fastest_plan, describe_choice, time_steps
 from ..memory._oom import finer_plan
-from ..memory._stream import best_chunk, host_chunk
+from ..memory._stream import best_chunk, chunk_candidates, host_chunk, likely_chunk
 from ._plan_key import plan_key
 from ._target_axes import decide_target_axes, predict_shapes_of
 
@@ -45,11 +45,13 @@ class Compilers(NamedTuple):
   ``plan`` quickly (XLA's buffer assignment is that of the optimised step; only the code is left unoptimised):
   the probes of the search; ``trial(plan, shared_args, inputs, targets, via_window) -> PlannedStep``: that step
   compiled for training, to verify, time and keep; ``keepable(via_window)``: whether fit can run a kept step
-  (not where it runs another: a window's, a mesh's, or no jit).
+  (not where it runs another: a window's, a mesh's, or no jit); ``bytes_at_least(plan, shared_args, inputs,
+  targets, via_window) -> int``: a lower bound of that step's memory from its trace alone (no compilation).
   """
   step_bytes: Callable[..., Any]
   trial: Callable[..., PlannedStep]
   keepable: Callable[[bool], bool]
+  bytes_at_least: Callable[..., int]
 
 
 def plural(count: int, noun: str) -> str:
@@ -197,16 +199,17 @@ class Planning:
     return self._argument_bytes(inputs, targets) + sum(int(bm.as_jax(v.value).nbytes) for v in written.values())
 
   def _plan_batch(self, layout, shared_args, inputs, targets, step_time, compilers: Compilers,
-                  via_window: bool = False) -> None:
+                  via_window: bool = False, unkept: Optional[Dict[int, PlannedStep]] = None) -> None:
     """Plan one batch (or streamed chunk) whose step holds all of it; raises ``ValueError`` if none fits.
 
     The search probes a few sizes with quick compilations (:func:`~brainpy_accum.memory._budget.largest_fitting`);
     the pick is then compiled as training runs it, and that compilation's memory analysis must fit the
-    budget (else the pick is corrected downwards). Training runs that very executable: no second compilation.
+    budget (else the pick is corrected downwards). Training runs that very executable: no second compilation
+    (``unkept``, given, receives it instead, for the caller to keep: a streamed batch keeps only its chunk's).
     """
     batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
     key = None if step_time is not None else self._plan_key(shared_args, inputs, targets, via_window)
-    if self._plan_from_cache(key, layout, shared_args, inputs, targets, compilers, via_window):
+    if self._plan_from_cache(key, layout, shared_args, inputs, targets, compilers, via_window, unkept):
       return
     planned = None
     try:
@@ -222,14 +225,26 @@ class Planning:
         raise
       raise ValueError(f'{error} With the mesh, each of the {self.num_devices} devices holds {share} samples of '
                        f'the batch of {batch_size}, and memory_budget is per device.') from None
-    self._store_plan(key, {'fits': True, 'micro_batch_size': size, 'remat': remat, 'bytes': used})
-    self._set_plan(batch_size, plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat), used, planned)
+    # the largest micro-batch that fits (with remat='auto' the fastest plan may cut finer): how streaming ranks chunks
+    largest = size if remat is None else max(c.micro_batch_size for c in self.weighed_plans[share] if c.fits)
+    self._store_plan(key, {'fits': True, 'micro_batch_size': size, 'remat': remat, 'bytes': used, 'largest': largest})
+    self._largest_micro[batch_size] = largest
+    self._set_plan(batch_size, plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat), used, planned,
+                   unkept=unkept)
+
+  @property
+  def _largest_micro(self) -> Dict[int, int]:
+    """Batch (or chunk) size -> the largest micro-batch whose step fits the budget, as its planning found."""
+    return self.__dict__.setdefault('_largest_micro_by_size', {})
 
   def _set_plan(self, batch_size: int, plan: MicroBatchPlan, used: int, planned: Optional[PlannedStep],
-                cached: bool = False) -> None:
-    """Record (and print) the plan of ``batch_size``; fit runs ``planned``, the step compiled for it, if given."""
+                cached: bool = False, unkept: Optional[Dict[int, PlannedStep]] = None) -> None:
+    """Record (and print) the plan of ``batch_size``; fit runs ``planned``, the step compiled for it, if given
+    (unless ``unkept`` is given: then it is put there, for the caller to keep or not)."""
     self.memory_plans[batch_size] = (plan, used)
-    if planned is not None:
+    if planned is not None and unkept is not None:
+      unkept[batch_size] = planned
+    elif planned is not None:
       planned.keep()
     source = ' (from the plan cache, its compiled step measured again)' if cached else ''
     per_device = '' if self.mesh is None else ' per device'
@@ -248,7 +263,7 @@ class Planning:
       self._plan_cache.put(key, plan)
 
   def _plan_from_cache(self, key: Optional[dict], layout, shared_args, inputs, targets, compilers: Compilers,
-                       via_window: bool) -> bool:
+                       via_window: bool, unkept: Optional[Dict[int, PlannedStep]] = None) -> bool:
     """Use the cached plan for ``key`` if there is one and its step, compiled again, still fits; True if used.
 
     A cached plan is never trusted: the step is compiled (for training where fit can run it, quickly
@@ -261,7 +276,9 @@ class Planning:
     if entry.get('fits') is False and isinstance(entry.get('error'), str):
       raise ValueError(entry['error'])
     size, remat, share = entry.get('micro_batch_size'), entry.get('remat'), self._share_size(layout.batch_size)
-    if not (isinstance(size, int) and 1 <= size <= share and (remat is None or isinstance(remat, (bool, int)))):
+    largest = entry.get('largest', size)
+    if not (isinstance(size, int) and 1 <= size <= share and (remat is None or isinstance(remat, (bool, int)))
+            and isinstance(largest, int) and 1 <= largest <= share):
       warnings.warn(f'plan cache: ignored an entry for batch {layout.batch_size} that does not describe a plan of '
                     f'it; planning anew.', UserWarning, stacklevel=2)
       return False
@@ -276,7 +293,8 @@ class Planning:
                     f'{format_memory(used)} now, over memory_budget {format_memory(self.memory_budget)}; planning '
                     f'anew.', UserWarning, stacklevel=2)
       return False
-    self._set_plan(layout.batch_size, plan, used, planned, cached=True)
+    self._largest_micro[layout.batch_size] = max(size, largest)
+    self._set_plan(layout.batch_size, plan, used, planned, cached=True, unkept=unkept)
     return True
 
   def _plan_fewest(self, share: int, shared_args, inputs, targets, compilers: Compilers, via_window: bool
@@ -315,33 +333,77 @@ class Planning:
     """The batch's data does not fit beside its step: stream it from the host in chunks (:mod:`~brainpy_accum.memory._stream`).
 
     The chunk size is :func:`~brainpy_accum.memory._stream.best_chunk`'s: of the chunk sizes whose step
-    fits, the one with the largest micro-batches, then the largest chunk; chunks that cannot win are not planned.
+    fits, the one that holds the largest micro-batches, then the largest chunk (the chunk's plan is then the
+    fastest that fits, with ``remat='auto'``, which may cut finer: by memory alone, the choice of chunk does
+    not hang on the noise of trial steps). Few are planned: first the one a
+    line through the largest chunk's quick probes predicts to win (:func:`~brainpy_accum.memory._stream.likely_chunk`:
+    the step's fixed bytes change with the chunk, its temporaries with the micro-batch),
+    then only those that can still hold micro-batches large enough to win, by a lower bound from the step's
+    trace (:mod:`~brainpy_accum.memory._live`) or else a quick probe. The chunks' searches share their probes.
     """
-    batch_size = layout.batch_size
+    batch_size, budget = layout.batch_size, self.memory_budget
     variables = list(self.vars().unique().values()) + random_states(self.target)
+    options = REMAT_OPTIONS if self.remat == 'auto' else (None,)
+    probes, unkept = {}, {}  # unkept: each chunk's step compiled for training; only the chosen chunk's is kept
 
-    def micro_batch_of(chunk: int) -> Optional[int]:  # the chunk's planned micro-batch size; None: it does not fit
+    def probe(plan, shared_args, inputs, targets, via_window):  # each quick probe once, for every chunk's search
+      key = (plan.batch_size, plan.micro_batch_size, plan.remat, via_window)
+      if key not in probes:
+        probes[key] = compilers.step_bytes(plan, shared_args, inputs, targets, via_window)
+      return probes[key]
+
+    chunk_compilers = compilers._replace(step_bytes=probe)
+
+    def chunk_of(chunk: int):  # the first chunk's data, with the model state at the chunk's size
+      self.target.reset(chunk)
+      return [host_chunk(tree, axes, 0, chunk) for tree, axes in ((inputs, layout.input_axes),
+                                                                  (targets, layout.target_axes))]
+
+    def plan_of(chunk: int, micro: int, remat):
+      return plan_micro_batches(chunk, micro_batch_size=micro)._replace(remat=remat)
+
+    def micro_batch_of(chunk: int) -> Optional[int]:  # the largest micro-batch that fits the chunk; None: none
       if chunk not in self.memory_plans:
-        chunk_data = [host_chunk(tree, axes, 0, chunk) for tree, axes in
-                      ((inputs, layout.input_axes), (targets, layout.target_axes))]
-        self.target.reset(chunk)  # the chunk's step takes the model state at the chunk's size
-        if self._fixed_bytes_at_least(*chunk_data) > self.memory_budget:
+        chunk_data = chunk_of(chunk)
+        if self._fixed_bytes_at_least(*chunk_data) > budget:
           return None  # its arguments and updated parameters alone exceed the budget: nothing to compile
         try:
-          self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, compilers,
-                           via_window=True)
+          self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, chunk_compilers,
+                           via_window=True, unkept=unkept)
         except ValueError:
           return None
-      return self.memory_plans[chunk][0].micro_batch_size
+      return self._largest_micro[chunk]
+
+    def can_hold(chunk: int, micro: int) -> bool:  # does some step of micro-batches of `micro` fit the chunk?
+      chunk_data = chunk_of(chunk)
+      for remat in options:
+        plan = plan_of(chunk, micro, remat)
+        if (compilers.bytes_at_least(plan, shared_args, *chunk_data, True) <= budget
+            and memory_parts(probe(plan, shared_args, *chunk_data, True))[0] <= budget):
+          return True
+      return False
+
+    def likely() -> Optional[int]:  # a line through the largest chunk's quick probes, one per remat option
+      fixed_least = {chunk: self._fixed_bytes_at_least(*chunk_of(chunk)) for chunk in chunk_candidates(batch_size)}
+      top = max((chunk for chunk, least in fixed_least.items() if least <= budget), default=None)
+      if top is None:
+        return None
+      chunk_data = chunk_of(top)  # (the first probes of its own search, if it is planned)
+      measured = [memory_parts(probe(plan_of(top, top, remat), shared_args, *chunk_data, True)) for remat in options]
+      offset = max(fixed for _, fixed in measured) - fixed_least[top]
+      return likely_chunk(batch_size, budget, lambda chunk: fixed_least[chunk] + offset,
+                          [(total - fixed) / top for total, fixed in measured])
 
     with values_restored(variables, any_shape=True):  # resets draw random numbers: all is put back as it was
-      chunk = best_chunk(batch_size, micro_batch_of)
+      chunk = best_chunk(batch_size, micro_batch_of, can_hold=can_hold, first=likely())
     if chunk is None:
       if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
         self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
         return self.memory_plans[batch_size][0]
       raise error
     self.stream_chunks[batch_size] = chunk
+    if chunk in unkept:  # fit runs it for each batch's last chunk
+      unkept[chunk].keep()
     plan, used = self.memory_plans[chunk]
     tqdm.write(f'memory plan: batch {batch_size} does not fit memory_budget {format_memory(self.memory_budget)} '
                f'with its data on the device; streamed from the host in chunks of {chunk} '

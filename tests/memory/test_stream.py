@@ -13,6 +13,7 @@ from hypothesis import given, strategies as st
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
+from brainpy_accum.memory._budget import candidate_micro_batch_sizes
 from brainpy_accum.memory._stream import best_chunk, chunk_candidates, chunk_sizes, combine
 from helpers import assert_trees_close, make_batches, make_model, params_of
 from test_training_loop import windows
@@ -133,6 +134,32 @@ def test_chunk_search_plans_only_chunks_that_can_win_and_picks_as_planning_all(b
   assert chosen == (max(fitting, key=lambda c: (micro[c], c)) if fitting else None)
   for i, c in enumerate(planned):  # each planned chunk could still win when it was planned
     assert c > max([micro[p] for p in planned[:i] if micro[p] is not None], default=0)
+
+
+@given(batch_size=st.integers(2, 300), data=st.data())
+def test_chunk_search_with_a_guess_and_cheap_checks_picks_as_planning_all(batch_size, data):
+  """With a guessed first chunk and ``can_hold`` (the trainer's lower bound or quick probe), the pick is still
+  that of planning every chunk, and a chunk is planned only if it can hold micro-batches large enough to win."""
+  candidates = chunk_candidates(batch_size)
+  # each chunk's largest fitting cut, or None; memory grows with the cut, so smaller cuts fit too
+  largest = {c: data.draw(st.one_of(st.none(), st.sampled_from(candidate_micro_batch_sizes(c)))) for c in candidates}
+  first = data.draw(st.one_of(st.none(), st.sampled_from(candidates)))
+  planned, asked = [], []
+
+  def can_hold(chunk, micro):
+    asked.append((chunk, micro))
+    assert micro in candidate_micro_batch_sizes(chunk)
+    return largest[chunk] is not None and micro <= largest[chunk]
+
+  chosen = best_chunk(batch_size, lambda c: planned.append(c) or largest[c], can_hold=can_hold, first=first)
+  fitting = [c for c in candidates if largest[c] is not None]
+  assert chosen == (max(fitting, key=lambda c: (largest[c], c)) if fitting else None)
+  assert len(planned) == len(set(planned)) and (first is None or planned[0] == first)
+  for i, c in enumerate(planned[1:], 1):  # each later chunk could still win when it was planned
+    found = [(largest[p], p) for p in planned[:i] if largest[p] is not None]
+    if found:
+      best_micro, best = max(found)
+      assert largest[c] is not None and largest[c] >= (best_micro if c > best else best_micro + 1)
 
 
 def test_chunk_arithmetic_and_combined_metrics():
