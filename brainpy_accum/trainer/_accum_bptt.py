@@ -483,8 +483,16 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     True
     """
     shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    return self._plan_memory(inputs, targets, shared_args, step_time,
-                             Compilers(self._probe_memory, self._planned_step, self._keepable, self._bytes_at_least), self._may_stream)
+    return self._plan_memory(inputs, targets, shared_args, step_time, self._compilers(), self._may_stream)
+
+  def _compilers(self) -> Compilers:
+    return Compilers(self._probe_memory, self._planned_step, self._keepable, self._bytes_at_least)
+
+  def _plan_streamed_chunk(self, inputs, targets, shared_args: Optional[Dict] = None) -> MicroBatchPlan:
+    """Plan a streamed batch's chunk: the shorter last one has a plan of its own, for its step through the window
+    (the step fit runs for it, and keeps from planning)."""
+    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
+    return self._plan_memory(inputs, targets, shared_args, None, self._compilers(), may_stream=False, via_window=True)
 
   def _probe_memory(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
     """The planner's quick probe: the step's memory, compiled without optimising its code."""

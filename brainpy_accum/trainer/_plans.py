@@ -152,9 +152,10 @@ class Planning:
     return f'batch {batch_size} = {self.num_devices} devices x ({plan.describe_cuts()})'
 
   def _plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict], step_time: Optional[Callable],
-                   compilers: Compilers, may_stream: bool) -> MicroBatchPlan:
+                   compilers: Compilers, may_stream: bool, via_window: bool = False) -> MicroBatchPlan:
     """:meth:`~brainpy_accum.AccumBPTT.plan_memory`, compiling and timing with ``compilers``; ``may_stream``:
-    a batch whose data does not fit may be streamed from the host."""
+    a batch whose data does not fit may be streamed from the host; ``via_window``: the batch is a streamed
+    batch's shorter last chunk, whose step passes through the window."""
     if self.num_micro_batch != 'auto':
       raise ValueError(f"plan_memory needs num_micro_batch='auto'; this trainer has "
                        f"num_micro_batch={self.num_micro_batch!r}, micro_batch_size={self.micro_batch_size!r}.")
@@ -172,7 +173,7 @@ class Planning:
         with values_restored(variables, any_shape=True):  # the reset draws random numbers: all is put back
           if self.mesh is None:  # (on a mesh fit has placed the state, at the batch size, before planning)
             self.target.reset(batch_size)  # the search compiles the whole batch's step: the state at that size
-          self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
+          self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers, via_window=via_window)
       except ValueError as error:
         if not may_stream or batch_size == 1:
           raise
