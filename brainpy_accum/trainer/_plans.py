@@ -377,12 +377,14 @@ class Planning:
 
     def can_hold(chunk: int, micro: int) -> bool:  # does some step of micro-batches of `micro` fit the chunk?
       chunk_data = chunk_of(chunk)
-      for remat in options:
-        plan = plan_of(chunk, micro, remat)
-        if (compilers.bytes_at_least(plan, shared_args, *chunk_data, True) <= budget
-            and memory_parts(probe(plan, shared_args, *chunk_data, True))[0] <= budget):
-          return True
-      return False
+      if self._fixed_bytes_at_least(*chunk_data) > budget:
+        return False
+      try:
+        return any(compilers.bytes_at_least(plan, shared_args, *chunk_data, True) <= budget
+                   and memory_parts(probe(plan, shared_args, *chunk_data, True))[0] <= budget
+                   for plan in (plan_of(chunk, micro, remat) for remat in options))
+      except ValueError:  # not answered here: planning the chunk will say
+        return True
 
     def likely() -> Optional[int]:  # a line through the largest chunk's quick probes, one per remat option
       fixed_least = {chunk: self._fixed_bytes_at_least(*chunk_of(chunk)) for chunk in chunk_candidates(batch_size)}
@@ -395,8 +397,14 @@ class Planning:
       return likely_chunk(batch_size, budget, lambda chunk: fixed_least[chunk] + offset,
                           [(total - fixed) / top for total, fixed in measured])
 
+    def guessed() -> Optional[int]:  # a guess that cannot be made only orders the planning differently
+      try:
+        return likely()
+      except ValueError:
+        return None
+
     with values_restored(variables, any_shape=True):  # resets draw random numbers: all is put back as it was
-      chunk = best_chunk(batch_size, micro_batch_of, can_hold=can_hold, first=likely())
+      chunk = best_chunk(batch_size, micro_batch_of, can_hold=can_hold, first=guessed())
     if chunk is None:
       if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
         self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
