@@ -403,8 +403,14 @@ class Planning:
       except ValueError:
         return None
 
+    key = None if step_time is not None else self._plan_key(shared_args, inputs, targets, False)
+    key = None if key is None else dict(key, streamed=True)  # the choice of chunk, beside the batch's own plans
     with values_restored(variables, any_shape=True):  # resets draw random numbers: all is put back as it was
-      chunk = best_chunk(batch_size, micro_batch_of, can_hold=can_hold, first=guessed())
+      chunk = self._cached_chunk(key, batch_size, micro_batch_of)
+      if chunk is None:
+        chunk = best_chunk(batch_size, micro_batch_of, can_hold=can_hold, first=guessed())
+        if chunk is not None:
+          self._store_plan(key, {'stream_chunk': chunk})
     if chunk is None:
       if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
         self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
@@ -418,6 +424,24 @@ class Planning:
                f'with its data on the device; streamed from the host in chunks of {chunk} '
                f'({plan.describe()}, train step {format_memory(used)}), one update per batch')
     return plan
+
+  def _cached_chunk(self, key: Optional[dict], batch_size: int, micro_batch_of: Callable[[int], Optional[int]]
+                    ) -> Optional[int]:
+    """The chunk size an earlier run chose to stream a batch in, if the plan cache has it and its step still
+    fits (``micro_batch_of`` plans it: from the cache too, its step compiled again and measured); else ``None``."""
+    entry = None if key is None else self._plan_cache.get(key)
+    if entry is None:
+      return None
+    chunk = entry.get('stream_chunk')
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk not in chunk_candidates(batch_size):
+      warnings.warn(f'plan cache: ignored an entry for streaming batch {batch_size} that does not name a chunk '
+                    f'size of it; planning anew.', UserWarning, stacklevel=2)
+      return None
+    if micro_batch_of(chunk) is None:
+      warnings.warn(f'plan cache: the cached chunk size {chunk} for streaming batch {batch_size} does not fit '
+                    f'memory_budget {format_memory(self.memory_budget)} now; planning anew.', UserWarning, stacklevel=2)
+      return None
+    return chunk
 
   def _plan_fastest(self, share: int, shared_args, inputs, targets, step_time, compilers: Compilers,
                     via_window: bool = False) -> Tuple[int, int, Union[bool, int], Optional[PlannedStep]]:

@@ -5,6 +5,8 @@ model state, also with random initial states (drawn at the whole batch's size), 
 (``reset_state=False``) and ``accumulate_steps``.
 """
 
+import json
+
 import brainpy as bp
 import brainpy.math as bm
 import numpy as np
@@ -89,6 +91,37 @@ def test_streamed_carried_states_and_windows_train_as_bptt():
   trainer.fit(batches, num_epoch=1)
   assert trainer.stream_chunks == {32: trainer.stream_chunks[32]}
   assert_trees_close(params_of(trainer.target), params_of(reference.target))
+
+
+def test_streamed_rerun_takes_its_chunk_from_the_plan_cache(tmp_path, capsys):
+  """A rerun streams in the chunk size that the first run chose, without the chunk search's probes: the
+  chunk's plan comes from the cache, its step compiled again and measured, and training is the same. A
+  cached choice that names no chunk size of the batch is ignored with a note, and the search runs again."""
+  batches = _batches((24,))
+  options = dict(progress_bar=False, num_micro_batch='auto', memory_budget=_budget(batches), cache=tmp_path)
+  trainer = lambda: AccumBPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), **options)
+  first = trainer()
+  first.fit(batches, num_epoch=1)
+  chunk = first.stream_chunks[24]
+  capsys.readouterr()
+
+  rerun = trainer()
+  probes, probe = [], rerun._probe_memory
+  rerun._probe_memory = lambda *args, **kwargs: probes.append(args[0]) or probe(*args, **kwargs)
+  rerun.fit(batches, num_epoch=1)
+  assert rerun.stream_chunks[24] == chunk and probes == []
+  assert 'from the plan cache' in capsys.readouterr().out
+  assert_trees_close(params_of(rerun.target), params_of(first.target))
+
+  for path in (tmp_path / 'plans').iterdir():
+    entry = json.loads(path.read_text())
+    if entry['key'].get('streamed'):
+      path.write_text(json.dumps(dict(entry, plan={'stream_chunk': 5})))  # 24 is cut into 12, 6, 3, 2 or 1
+  third = trainer()
+  with pytest.warns(UserWarning, match='plan cache: .*does not name a chunk size'):
+    third.fit(batches, num_epoch=1)
+  assert third.stream_chunks[24] == chunk
+  assert_trees_close(params_of(third.target), params_of(first.target))
 
 
 def test_batch_that_fits_is_not_streamed():
