@@ -61,7 +61,7 @@ def temp_bytes_at_least(jaxpr) -> int:
     opened = opened.replace(debug_info=None)  # (brainstate's may name fewer arguments than there are)
     live, _ = dce_jaxpr(opened, [True] * len(opened.outvars))
     return _bound(live, data=set(live.invars))
-  except ImportError:  # an internal of JAX not as expected: no bound, nothing ruled out
+  except Exception:  # an internal of JAX not as expected: no bound, nothing ruled out
     return 0
 
 
@@ -82,8 +82,13 @@ def _is_var(x) -> bool:
 
 
 def _nbytes(var) -> int:
+  """Bytes of a variable's array; 0 for what has no plain dtype (random keys, tokens): a lower bound."""
   aval = var.aval
-  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+  try:
+    itemsize = np.dtype(aval.dtype).itemsize
+  except TypeError:
+    return 0
+  return int(np.prod(aval.shape, dtype=np.int64)) * itemsize
 
 
 def _bound(jaxpr, data: Set) -> int:

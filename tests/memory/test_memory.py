@@ -2,10 +2,13 @@
 
 import brainpy as bp
 import brainpy.math as bm
+import jax
+import jax.numpy as jnp
 import pytest
 
 from brainpy_accum import AccumBPTT, parse_memory, plan_micro_batches
 from brainpy_accum.memory._budget import candidate_micro_batch_sizes, step_memory
+from brainpy_accum.memory._live import temp_bytes_at_least
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)
@@ -130,6 +133,22 @@ def test_traced_lower_bound_of_the_step_never_exceeds_xlas_memory(model, num_tim
     assert temp <= used.total - used.fixed and bound <= used.total, (micro_batch_size, via_window, temp, used)
     if num_time > 1 and not remat and model == 'rnn':  # close enough to rule sizes out: the stacked residuals
       assert temp >= 0.5 * (used.total - used.fixed), (temp, used)
+
+
+def test_lower_bound_of_a_loop_that_stacks_random_keys():
+  """Random keys stacked for the backward loop (a model drawing numbers at each step, under remat) have no
+  plain dtype: the bound counts them as 0 bytes and still counts the residuals, never above XLA's figure."""
+  def loss(w, key):
+    def body(carry, _):
+      h, k = carry
+      k, sub = jax.random.split(k)
+      return (jnp.tanh(h * w + jax.random.uniform(sub, h.shape)), k), None
+    (h, _), _ = jax.lax.scan(jax.checkpoint(body), (jnp.ones(64), key), None, length=20)
+    return h.sum()
+
+  traced = jax.jit(jax.grad(loss)).trace(1., jax.random.key(0))
+  bound = temp_bytes_at_least(traced.jaxpr)
+  assert 20 * 64 * 4 <= bound <= traced.lower().compile().memory_analysis().temp_size_in_bytes
 
 
 def test_unplanned_batch_size_is_explained():
