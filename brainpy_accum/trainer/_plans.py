@@ -163,7 +163,7 @@ class Planning:
     batch_size = layout.batch_size
     if batch_size in self.stream_chunks:
       return self.memory_plans[self.stream_chunks[batch_size]][0]
-    if batch_size not in self.memory_plans:
+    if batch_size not in self.memory_plans or (via_window and self._plan_again_through_window(batch_size)):
       if may_stream and batch_size > 1 and self._fixed_bytes_at_least(inputs, targets) > self.memory_budget:
         # arithmetic, no compilation: the step's arguments and updated parameters alone exceed the budget,
         # so no cut of it fits
@@ -211,6 +211,7 @@ class Planning:
     batch_size, share = layout.batch_size, self._share_size(layout.batch_size)
     key = None if step_time is not None else self._plan_key(shared_args, inputs, targets, via_window)
     if self._plan_from_cache(key, layout, shared_args, inputs, targets, compilers, via_window, unkept):
+      self._note_window(batch_size, via_window)
       return
     planned = None
     try:
@@ -232,6 +233,27 @@ class Planning:
     self._largest_micro[batch_size] = largest
     self._set_plan(batch_size, plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat), used, planned,
                    unkept=unkept)
+    self._note_window(batch_size, via_window)
+
+  def _note_window(self, batch_size: int, via_window: bool) -> None:
+    """Record that ``batch_size`` was planned for its step through the window, which needs more than the plain
+    step (its sums): such a plan serves both."""
+    if via_window:
+      self._through_window.add(batch_size)
+
+  @property
+  def _through_window(self) -> set:
+    """Batch (or chunk) sizes planned for their step through the window (a streamed chunk's)."""
+    return self.__dict__.setdefault('_planned_through_window', set())
+
+  def _plan_again_through_window(self, batch_size: int) -> bool:
+    """Whether ``batch_size``, now a streamed chunk, must be planned (again) for its step through the window:
+    a plan of the plain step, made for a batch of that size, does not say that the window's step fits. The
+    plain step kept from that planning is dropped, so that fit runs the new plan's."""
+    if batch_size in self.memory_plans and batch_size in self._through_window:
+      return False
+    self._kept_steps.pop(('fit', batch_size), None)
+    return True
 
   @property
   def _largest_micro(self) -> Dict[int, int]:
@@ -364,7 +386,7 @@ class Planning:
       return plan_micro_batches(chunk, micro_batch_size=micro)._replace(remat=remat)
 
     def micro_batch_of(chunk: int) -> Optional[int]:  # the largest micro-batch that fits the chunk; None: none
-      if chunk not in self.memory_plans:
+      if self._plan_again_through_window(chunk):
         chunk_data = chunk_of(chunk)
         if self._fixed_bytes_at_least(*chunk_data) > budget:
           return None  # its arguments and updated parameters alone exceed the budget: nothing to compile

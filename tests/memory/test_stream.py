@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
-from brainpy_accum.memory._budget import candidate_micro_batch_sizes
+from brainpy_accum.memory._budget import candidate_micro_batch_sizes, step_memory
 from brainpy_accum.memory._stream import best_chunk, chunk_candidates, chunk_sizes, combine
 from helpers import assert_trees_close, make_batches, make_model, params_of
 from test_training_loop import windows
@@ -122,6 +122,27 @@ def test_streamed_rerun_takes_its_chunk_from_the_plan_cache(tmp_path, capsys):
     third.fit(batches, num_epoch=1)
   assert third.stream_chunks[24] == chunk
   assert_trees_close(params_of(third.target), params_of(first.target))
+
+
+def test_chunk_size_planned_before_as_a_batch_is_planned_again_through_the_window():
+  """A batch of 12 planned first (its plain step), then a batch streamed in chunks: a chunk's step passes
+  through the window and needs more memory, so a chunk size planned as a plain batch is planned again. The
+  chosen chunk's step fits the budget by XLA's measure, whichever batch comes first."""
+  batches = make_batches((12, 96), num_time=50, n_in=64, seed=1)
+  budget = int(sum(a.nbytes for a in batches[1]) * 0.47)
+  reference = bp.BPTT(make_model('rnn', n_in=64, n_hidden=64), bp.losses.mean_squared_error,
+                      optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
+  reference.fit(batches, num_epoch=1)
+  trainer = AccumBPTT(make_model('rnn', n_in=64, n_hidden=64), bp.losses.mean_squared_error,
+                      optimizer=bp.optim.Adam(lr=0.01), progress_bar=False, num_micro_batch='auto',
+                      memory_budget=budget, remat=True)
+  trainer.fit(batches, num_epoch=1)
+  chunk = trainer.stream_chunks[96]
+  x, y = (a[:chunk] for a in batches[1])
+  trainer.target.reset(chunk)
+  close = step_memory(trainer.compile_step(x, y, plan=trainer.plan_for(chunk), via_window=True, quick=True))
+  assert close.total <= budget, (chunk, close.total, budget)
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
 
 
 def test_batch_that_fits_is_not_streamed():
