@@ -24,7 +24,7 @@ __all__ = ['CACHE_SWITCH', 'CACHE_FOLDER', 'PlanCache', 'cache_folder', 'use_com
 CACHE_SWITCH = 'BRAINPY_ACCUM_CACHE'      # '0', 'off', 'false' or 'no': no caches unless a trainer names a folder
 CACHE_FOLDER = 'BRAINPY_ACCUM_CACHE_DIR'  # the folder of both caches
 _OFF = ('0', 'off', 'false', 'no')
-FORMAT = 1  # of the plan files; a file of another format is ignored
+FORMAT = 2  # of the plan files; a file of another format is ignored (2: plans name their largest fitting micro-batch)
 
 
 def cache_folder(cache: Union[bool, str, os.PathLike] = True) -> Optional[str]:
