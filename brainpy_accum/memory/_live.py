@@ -135,10 +135,10 @@ def _loop_buffers(eqn, producer: Dict, data: Set, used_later: Set) -> int:
       if made is not None:
         buffer, size = made
         buffers[buffer] = max(buffers.get(buffer, 0), size)
-  values = set()
+  values, body_inputs = set(), set(body.invars)
   for outer, inner in zip(eqn.outvars, body.outvars):
     if (_is_var(outer) and outer in used_later and outer in data and stacked(outer, inner)
-        and _is_var(inner) and inner not in set(body.invars) and inner not in values):
+        and _is_var(inner) and inner not in body_inputs and inner not in values):
       values.add(inner)  # (the same value stacked twice: XLA may keep one buffer)
       buffers[outer] = _nbytes(outer)
   return sum(buffers.values())

@@ -504,8 +504,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     0 on a mesh, where the figures are per device."""
     if self.mesh is not None:
       return 0
-    step = bm.jit(functools.partial(self._train_step, plan=plan, via_window=via_window), static_argnums=(0,))
-    with self._without_time_step_bars(), self._tracing(plan):
+    with self._step_for(plan, via_window=via_window) as step:
       jaxpr = step.stateful_fun.get_jaxpr(shared_args, inputs, targets)
     return self._fixed_bytes_at_least(inputs, targets) + temp_bytes_at_least(jaxpr)
 
@@ -578,9 +577,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     True
     """
     shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update, via_window=via_window),
-                  static_argnums=(0,))
-    with self._without_time_step_bars(), self._tracing(plan):
+    with self._step_for(plan, update=update, via_window=via_window) as step:
       return step.lower(shared_args, inputs, targets).compile(compiler_options=QUICK_COMPILE if quick else None)
 
   def compile_trial(self, inputs, targets, shared_args: Optional[Dict] = None, *, plan: MicroBatchPlan):
@@ -591,11 +588,19 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     outside :meth:`plan_memory` (as ``python -m brainpy_accum.bench.planner`` does).
     """
     shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    step = bm.jit(functools.partial(self._train_step, plan=plan), static_argnums=(0,))
-    with self._without_time_step_bars(), self._tracing(plan):
+    with self._step_for(plan) as step:
       values = step.stateful_fun.get_state_trace(shared_args, inputs, targets, compile_if_miss=True).get_state_values()
       compiled = step.jitted_fun.lower(values, shared_args, inputs, targets).compile()
     return compiled, lambda: jax.block_until_ready(compiled(values, inputs, targets))
+
+  @contextlib.contextmanager
+  def _step_for(self, plan: Optional[MicroBatchPlan], update: bool = True, via_window: bool = False):
+    """The train step for ``plan``, jitted on its own (not fit's), to trace, lower or compile inside the
+    ``with``: the context its trace needs (no time-step bars, the plan's tracing)."""
+    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update, via_window=via_window),
+                  static_argnums=(0,))
+    with self._without_time_step_bars(), self._tracing(plan):
+      yield step
 
   @contextlib.contextmanager
   def _without_time_step_bars(self):

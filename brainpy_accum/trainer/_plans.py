@@ -382,14 +382,18 @@ class Planning:
       return [host_chunk(tree, axes, 0, chunk) for tree, axes in ((inputs, layout.input_axes),
                                                                   (targets, layout.target_axes))]
 
+    def fitting_chunk_of(chunk: int):  # chunk_of; None where its fixed bytes alone exceed the budget (arithmetic)
+      chunk_data = chunk_of(chunk)
+      return None if self._fixed_bytes_at_least(*chunk_data) > budget else chunk_data
+
     def plan_of(chunk: int, micro: int, remat):
       return plan_micro_batches(chunk, micro_batch_size=micro)._replace(remat=remat)
 
     def micro_batch_of(chunk: int) -> Optional[int]:  # the largest micro-batch that fits the chunk; None: none
       if self._plan_again_through_window(chunk):
-        chunk_data = chunk_of(chunk)
-        if self._fixed_bytes_at_least(*chunk_data) > budget:
-          return None  # its arguments and updated parameters alone exceed the budget: nothing to compile
+        chunk_data = fitting_chunk_of(chunk)
+        if chunk_data is None:
+          return None
         try:
           self._plan_batch(self._check_batch(*chunk_data), shared_args, *chunk_data, step_time, chunk_compilers,
                            via_window=True, unkept=unkept)
@@ -398,8 +402,8 @@ class Planning:
       return self._largest_micro[chunk]
 
     def can_hold(chunk: int, micro: int) -> bool:  # does some step of micro-batches of `micro` fit the chunk?
-      chunk_data = chunk_of(chunk)
-      if self._fixed_bytes_at_least(*chunk_data) > budget:
+      chunk_data = fitting_chunk_of(chunk)
+      if chunk_data is None:
         return False
       try:
         return any(compilers.bytes_at_least(plan, shared_args, *chunk_data, True) <= budget
