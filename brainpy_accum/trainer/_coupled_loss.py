@@ -55,21 +55,32 @@ MEANS_OVER_ELEMENTS = (bp.losses.mean_squared_error, bp.losses.mean_absolute_err
 POINTS = ('uniform in [0.1, 0.9)', '0 or 1, like spikes')
 
 
-def random_outputs(like, point: int, key):
-  """Values for the output shapes ``like`` (a tree of ``jax.ShapeDtypeStruct``): floating leaves uniform in
-  [0.1, 0.9) at point 0 (inside every probability's and logarithm's domain) and 0 or 1 at point 1 (spikes);
-  integer and boolean leaves 0 or 1 at both."""
+def random_outputs(like, point: int):
+  """Values for the output shapes ``like`` (a tree of ``jax.ShapeDtypeStruct``): floating leaves in [0.1, 0.9) at
+  point 0 (inside every probability's and logarithm's domain) and 0 or 1 at point 1 (spikes); integer and
+  boolean leaves 0 or 1 at both.
+
+  Each value comes from a fixed integer hash of the element's position, its leaf and the point: values that
+  vary from element to element with no pattern a loss could line up with, from a few integer operations (JAX's
+  random generator would cost the check's compilation more than the loss itself does).
+  """
   leaves, treedef = jax.tree_util.tree_flatten(like)
-  keys = jax.random.split(key, max(len(leaves), 1))
-  drawn = []
-  for k, x in zip(keys, leaves):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      value = jax.random.uniform(k, x.shape, jnp.float32, 0.1, 0.9) if point == 0 else \
-        jax.random.bernoulli(k, 0.5, x.shape).astype(jnp.float32)
-      drawn.append(value.astype(x.dtype))
-    else:
-      drawn.append(jax.random.bernoulli(k, 0.5, x.shape).astype(x.dtype))
-  return treedef.unflatten(drawn)
+  return treedef.unflatten([_hashed(x, 2 * i + point) for i, x in enumerate(leaves)])
+
+
+def _hashed(like, seed: int):
+  """``like``'s values (see :func:`random_outputs`) from a 32-bit integer hash of each element's index."""
+  size = int(np.prod(like.shape, dtype=np.int64))
+  bits = jax.lax.iota(jnp.uint32, size) + jnp.uint32((seed + 1) * 0x9E3779B9 % 2 ** 32)
+  for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):  # a well-mixing 32-bit hash (two rounds)
+    bits = (bits ^ (bits >> shift)) * jnp.uint32(factor)
+  bits = bits ^ (bits >> 16)
+  uniform = (bits >> 8).astype(jnp.float32) * (1. / 2 ** 24)  # in [0, 1)
+  if jnp.issubdtype(like.dtype, jnp.floating) and seed % 2 == 0:
+    value = 0.1 + 0.8 * uniform
+  else:
+    value = (uniform < 0.5).astype(jnp.float32)
+  return value.reshape(like.shape).astype(like.dtype)
 
 
 def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes, outputs_like, out_axes,
@@ -81,6 +92,9 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   combinations over the micro-batches (by ``declared``, the ``aux_reduction``) at point 0, two lists.
   ``names``, if given, receives the metrics' paths; ``has_metrics=False``: the loss has none (not traced for
   their shapes). Only ``loss_fun`` runs: no model, nothing to restore.
+
+  The points are evaluated together, ``jax.vmap`` over them: one program of the loss's size to compile rather
+  than one per point. A loss that ``vmap`` cannot batch is evaluated at each point in turn.
   """
   forward = lambda micro_args, size: micro_args[2]  # the outputs' micro-batch, cut like the data
   micro_loss = lambda outputs, micro_args: loss_of(outputs, micro_args[1])
@@ -89,30 +103,38 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
                                   reduction, plan.batch_size)
   planned = []
 
-  def metrics_of(small, large, sizes):  # the same output shapes at both points: the metrics are planned once
+  def metrics_of(small, large, sizes):  # the same output shapes at every point: the metrics are planned once
     if not planned:
       planned.append(metric_plan(small, large, sizes))
     return planned[0]
 
-  wholes, combined = [], []
-  for point in range(len(POINTS)):
-    outputs = random_outputs(outputs_like, point, jax.random.PRNGKey(point))
+  def at(outputs):  # (whole loss, combined loss, whole metrics, combined metrics) at these outputs
     sums, _, metrics = forward_pass(forward, tuple(args) + (outputs,), list(axes) + list(out_axes), plan, [],
                                     micro_loss, weigh_data, metrics_of)
     whole_loss, whole_aux = loss_of(outputs, args[1])  # one evaluation gives the loss and the metrics
-    wholes.append(bm.as_jax(whole_loss).astype(jnp.float32))
-    combined.append(finish_values(sums.loss_sum, sums.total_weight, reduction).astype(jnp.float32))
-    if point == 0:
-      combined_aux = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count,
-                                    metrics.mean_by_weight)
-      paths = jax.tree_util.tree_flatten_with_path(whole_aux)[0]
-      scalar = [i for i, rule in enumerate(metrics.rules) if rule.axis is None]
-      if names is not None:
-        names.metrics[:] = [(jax.tree_util.keystr(paths[i][0]), metric_name(paths[i][0]), metrics.rules[i].reduction)
-                            for i in scalar]
-      pick = lambda tree: [jax.tree_util.tree_leaves(tree)[i] for i in scalar]
-      point_metrics = (pick(whole_aux), pick(combined_aux))
-  return jnp.stack(wholes), jnp.stack(combined), point_metrics
+    combined_aux = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count, metrics.mean_by_weight)
+    paths = jax.tree_util.tree_flatten_with_path(whole_aux)[0]
+    scalar = [i for i, rule in enumerate(metrics.rules) if rule.axis is None]
+    if names is not None:
+      names.metrics[:] = [(jax.tree_util.keystr(paths[i][0]), metric_name(paths[i][0]), metrics.rules[i].reduction)
+                          for i in scalar]
+    pick = lambda tree: [bm.as_jax(jax.tree_util.tree_leaves(tree)[i]) for i in scalar]
+    return (bm.as_jax(whole_loss).astype(jnp.float32),
+            finish_values(sums.loss_sum, sums.total_weight, reduction).astype(jnp.float32),
+            pick(whole_aux), pick(combined_aux))
+
+  points = [random_outputs(outputs_like, point) for point in range(len(POINTS))]
+  try:
+    whole, combined, whole_metrics, combined_metrics = jax.vmap(at)(
+      jax.tree_util.tree_map(lambda *values: jnp.stack(values), *points))
+    first = lambda values: [v[0] for v in values]
+    return whole, combined, (first(whole_metrics), first(combined_metrics))
+  except MetricsError:
+    raise
+  except Exception:  # e.g. a host callback in the loss that vmap cannot batch: one point after the other
+    results = [at(outputs) for outputs in points]
+  return (jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results]),
+          (results[0][2], results[0][3]))
 
 
 def _metric_plan(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,

@@ -4,6 +4,8 @@ import warnings
 
 import brainpy as bp
 import brainpy.math as bm
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -70,6 +72,21 @@ def test_loss_normalised_by_batch_statistics_warns():
   with pytest.warns(UserWarning, match='couples the samples') as record:
     _fit(batch_normalised, model='rnn')
   assert len(_coupled(record)) == 1
+
+
+def host_normalised(predicts, targets):
+  """Squared error divided by the batch's largest output, taken on the host by a callback that ``vmap`` cannot
+  batch: the check evaluates its points one after the other instead, and still sees the coupling."""
+  peak = jax.pure_callback(lambda p: np.asarray(np.abs(p).max() + 1., np.float32),
+                           jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(bm.as_jax(predicts)))
+  return bm.mean((predicts - targets) ** 2) / peak
+
+
+def test_loss_that_vmap_cannot_batch_is_checked_point_by_point():
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter('always')
+    _fit(host_normalised, model='rnn')
+  assert len(_coupled(record)) == 1 and not [w for w in record if 'Could not check' in str(w.message)]
 
 
 def _masked_mean(predicts, targets):
