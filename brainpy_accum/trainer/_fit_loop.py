@@ -273,7 +273,7 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       x = host_chunk(inputs, layout.input_axes, start, size)
       y = host_chunk(targets, layout.target_axes, start, size)
       for name, (var, axis) in states.items():
-        var.value = jax.lax.slice_in_dim(whole[name], start, start + size, axis=axis)
+        var.value = jax.lax.dynamic_slice_in_dim(whole[name], start, size, axis=axis)  # one program for all starts
       trainer._plan_streamed_chunk(x, y, options.shared_args)  # the shorter last chunk has its own plan
       finish = (early or parts.check_loss_once(options.shared_args, x, y)) if phase == 'fit' and i == 0 else None
       kind = _step_kind(trainer, phase, update and i == len(sizes) - 1, streamed=True)

@@ -382,6 +382,16 @@ class Planning:
       return [host_chunk(tree, axes, 0, chunk) for tree, axes in ((inputs, layout.input_axes),
                                                                   (targets, layout.target_axes))]
 
+    states_now = batched_variables(self.target, batch_size)  # fit reset them at the batch size
+
+    def fixed_bytes_of_chunk(chunk: int) -> int:  # _fixed_bytes_at_least at the chunk's size, by arithmetic:
+      # no reset (its zeros would compile once per size); the model's batched states scale with the chunk
+      data = [host_chunk(tree, axes, 0, chunk) for tree, axes in ((inputs, layout.input_axes),
+                                                                  (targets, layout.target_axes))]
+      states = [bm.as_jax(var.value) for var, _ in states_now.values()]
+      scaled = sum(x.nbytes // x.shape[axis] * chunk for x, (_, axis) in zip(states, states_now.values()))
+      return self._fixed_bytes_at_least(*data) - sum(x.nbytes for x in states) + scaled
+
     def fitting_chunk_of(chunk: int):  # chunk_of; None where its fixed bytes alone exceed the budget (arithmetic)
       chunk_data = chunk_of(chunk)
       return None if self._fixed_bytes_at_least(*chunk_data) > budget else chunk_data
@@ -413,7 +423,7 @@ class Planning:
         return True
 
     def likely() -> Optional[int]:  # a line through the largest chunk's quick probes, one per remat option
-      fixed_least = {chunk: self._fixed_bytes_at_least(*chunk_of(chunk)) for chunk in chunk_candidates(batch_size)}
+      fixed_least = {chunk: fixed_bytes_of_chunk(chunk) for chunk in chunk_candidates(batch_size)}
       top = max((chunk for chunk, least in fixed_least.items() if least <= budget), default=None)
       if top is None:
         return None
