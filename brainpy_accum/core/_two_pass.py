@@ -63,17 +63,19 @@ def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, 
                     out_axes, micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None,
                     metrics: Optional[MetricPlan] = None):
   """Pass 1: every micro-batch forward, without gradients; returns the core's ``Sums`` whose ``samples`` are
-  the whole batch's outputs. With ``micro_loss(outputs, micro_args) -> (loss, aux)`` and ``weigh``, the
-  sums also hold each micro-batch's own loss and metrics (weighted; ``metrics``: each by its rule), for the
-  default mode's check."""
+  the whole batch's outputs. With ``micro_loss(outputs, micro_args) -> (loss, aux)`` and ``weigh`` (the
+  default mode's check, which holds the whole outputs already), the sums hold each micro-batch's own loss and
+  metrics instead (weighted; ``metrics``: each by its rule), and no outputs."""
 
   def micro_fn(micro_args, size):
     outputs = jax.lax.stop_gradient(forward(micro_args, size))
     if micro_loss is None:
       return MicroResult(None, jnp.zeros((), jnp.float32), {}, jnp.asarray(size, jnp.float32), outputs)
     loss, aux = micro_loss(outputs, micro_args)
-    return MicroResult(None, loss, aux, weigh(micro_args, size), outputs)
+    return MicroResult(None, loss, aux, weigh(micro_args, size), None)
 
+  if micro_loss is not None:
+    outputs_like = out_axes = None
   return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes, metrics)
 
 
@@ -120,7 +122,8 @@ def forward_pass(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, sta
                  metrics_of: Optional[Callable] = None):
   """Pass 1 from the ``states``' whole-batch values, the outputs' batch axes traced first.
 
-  Returns :func:`forward_outputs`' sums (``samples``: the whole batch's outputs) and the outputs' batch axes;
+  Returns :func:`forward_outputs`' sums (``samples``: the whole batch's outputs, without ``micro_loss``) and the
+  outputs' batch axes;
   with ``metrics_of(small, large, sizes) -> MetricPlan`` (the outputs' shapes at two micro-batch sizes), also
   the metrics' plan, which the sums follow.
   """
