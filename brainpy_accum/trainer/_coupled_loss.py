@@ -93,8 +93,6 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   ``names``, if given, receives the metrics' paths; ``has_metrics=False``: the loss has none (not traced for
   their shapes). Only ``loss_fun`` runs: no model, nothing to restore.
 
-  The points are evaluated together, ``jax.vmap`` over them: one program of the loss's size to compile rather
-  than one per point. A loss that ``vmap`` cannot batch is evaluated at each point in turn.
   """
   forward = lambda micro_args, size: micro_args[2]  # the outputs' micro-batch, cut like the data
   micro_loss = lambda outputs, micro_args: loss_of(outputs, micro_args[1])
@@ -123,16 +121,7 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
             finish_values(sums.loss_sum, sums.total_weight, reduction).astype(jnp.float32),
             pick(whole_aux), pick(combined_aux))
 
-  points = [random_outputs(outputs_like, point) for point in range(len(POINTS))]
-  try:
-    whole, combined, whole_metrics, combined_metrics = jax.vmap(at)(
-      jax.tree_util.tree_map(lambda *values: jnp.stack(values), *points))
-    first = lambda values: [v[0] for v in values]
-    return whole, combined, (first(whole_metrics), first(combined_metrics))
-  except MetricsError:
-    raise
-  except Exception:  # e.g. a host callback in the loss that vmap cannot batch: one point after the other
-    results = [at(outputs) for outputs in points]
+  results = [at(random_outputs(outputs_like, point)) for point in range(len(POINTS))]
   return (jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results]),
           (results[0][2], results[0][3]))
 

@@ -75,14 +75,14 @@ def test_loss_normalised_by_batch_statistics_warns():
 
 
 def host_normalised(predicts, targets):
-  """Squared error divided by the batch's largest output, taken on the host by a callback that ``vmap`` cannot
-  batch: the check evaluates its points one after the other instead, and still sees the coupling."""
+  """Squared error divided by the batch's largest output, taken on the host by a callback (no ``vmap_method``):
+  the check still sees the coupling."""
   peak = jax.pure_callback(lambda p: np.asarray(np.abs(p).max() + 1., np.float32),
                            jax.ShapeDtypeStruct((), jnp.float32), jax.lax.stop_gradient(bm.as_jax(predicts)))
   return bm.mean((predicts - targets) ** 2) / peak
 
 
-def test_loss_that_vmap_cannot_batch_is_checked_point_by_point():
+def test_loss_with_a_host_callback_is_checked():
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter('always')
     _fit(host_normalised, model='rnn')
@@ -137,3 +137,20 @@ def test_brainpys_mean_losses_skip_the_check_and_train_as_a_checked_copy(monkeyp
     assert calls == [1]
   assert not _coupled(record) and not [w for w in record if 'Could not check' in str(w.message)]
   assert_trees_close(params_of(skipped.target), params_of(wrapped.target), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('jit', [True, False])
+def test_loss_that_writes_a_variable_is_checked_and_the_variable_stays_concrete(jit):
+  """A per-sample mean that also keeps a running statistic in a Variable of its own: checked, silent, and the
+  Variable holds an array afterwards (no tracer of the check left in it)."""
+  stat = bm.Variable(jnp.zeros(()))
+
+  def loss(p, t):
+    stat.value = 0.9 * stat.value + 0.1 * jax.lax.stop_gradient(bm.as_jax(bm.mean(p)))
+    return bm.mean((p - t) ** 2)
+
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter('always')
+    _fit(loss, model='rnn', jit=jit)
+  assert not _coupled(record) and not [w for w in record if 'Could not check' in str(w.message)]
+  assert np.isfinite(np.asarray(stat.value + 1.))
