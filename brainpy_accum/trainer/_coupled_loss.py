@@ -65,18 +65,20 @@ def random_outputs(like, point: int):
   random generator would cost the check's compilation more than the loss itself does).
   """
   leaves, treedef = jax.tree_util.tree_flatten(like)
-  return treedef.unflatten([_hashed(x, 2 * i + point) for i, x in enumerate(leaves)])
+  return treedef.unflatten([_hashed(x, i, point) for i, x in enumerate(leaves)])
 
 
-def _hashed(like, seed: int):
-  """``like``'s values (see :func:`random_outputs`) from a 32-bit integer hash of each element's index."""
+def _hashed(like, leaf: int, point: int):
+  """Leaf number ``leaf``'s values at ``point`` (see :func:`random_outputs`), from a 32-bit integer hash of each
+  element's index."""
   size = int(np.prod(like.shape, dtype=np.int64))
+  seed = 2 * leaf + point
   bits = jax.lax.iota(jnp.uint32, size) + jnp.uint32((seed + 1) * 0x9E3779B9 % 2 ** 32)
   for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):  # a well-mixing 32-bit hash (two rounds)
     bits = (bits ^ (bits >> shift)) * jnp.uint32(factor)
   bits = bits ^ (bits >> 16)
   uniform = (bits >> 8).astype(jnp.float32) * (1. / 2 ** 24)  # in [0, 1)
-  if jnp.issubdtype(like.dtype, jnp.floating) and seed % 2 == 0:
+  if jnp.issubdtype(like.dtype, jnp.floating) and point == 0:
     value = 0.1 + 0.8 * uniform
   else:
     value = (uniform < 0.5).astype(jnp.float32)
@@ -92,7 +94,6 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   combinations over the micro-batches (by ``declared``, the ``aux_reduction``) at point 0, two lists.
   ``names``, if given, receives the metrics' paths; ``has_metrics=False``: the loss has none (not traced for
   their shapes). Only ``loss_fun`` runs: no model, nothing to restore.
-
   """
   forward = lambda micro_args, size: micro_args[2]  # the outputs' micro-batch, cut like the data
   micro_loss = lambda outputs, micro_args: loss_of(outputs, micro_args[1])
@@ -101,29 +102,30 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
                                   reduction, plan.batch_size)
   planned = []
 
-  def metrics_of(small, large, sizes):  # the same output shapes at every point: the metrics are planned once
+  def metrics_of(small, large, sizes):  # the same output shapes at both points: the metrics are planned once
     if not planned:
       planned.append(metric_plan(small, large, sizes))
     return planned[0]
 
-  def at(outputs):  # (whole loss, combined loss, whole metrics, combined metrics) at these outputs
+  wholes, combined = [], []
+  for point in range(len(POINTS)):
+    outputs = random_outputs(outputs_like, point)
     sums, _, metrics = forward_pass(forward, tuple(args) + (outputs,), list(axes) + list(out_axes), plan, [],
                                     micro_loss, weigh_data, metrics_of)
     whole_loss, whole_aux = loss_of(outputs, args[1])  # one evaluation gives the loss and the metrics
-    combined_aux = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count, metrics.mean_by_weight)
-    paths = jax.tree_util.tree_flatten_with_path(whole_aux)[0]
-    scalar = [i for i, rule in enumerate(metrics.rules) if rule.axis is None]
-    if names is not None:
-      names.metrics[:] = [(jax.tree_util.keystr(paths[i][0]), metric_name(paths[i][0]), metrics.rules[i].reduction)
-                          for i in scalar]
-    pick = lambda tree: [bm.as_jax(jax.tree_util.tree_leaves(tree)[i]) for i in scalar]
-    return (bm.as_jax(whole_loss).astype(jnp.float32),
-            finish_values(sums.loss_sum, sums.total_weight, reduction).astype(jnp.float32),
-            pick(whole_aux), pick(combined_aux))
-
-  results = [at(random_outputs(outputs_like, point)) for point in range(len(POINTS))]
-  return (jnp.stack([r[0] for r in results]), jnp.stack([r[1] for r in results]),
-          (results[0][2], results[0][3]))
+    wholes.append(bm.as_jax(whole_loss).astype(jnp.float32))
+    combined.append(finish_values(sums.loss_sum, sums.total_weight, reduction).astype(jnp.float32))
+    if point == 0:
+      combined_aux = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count,
+                                    metrics.mean_by_weight)
+      paths = jax.tree_util.tree_flatten_with_path(whole_aux)[0]
+      scalar = [i for i, rule in enumerate(metrics.rules) if rule.axis is None]
+      if names is not None:
+        names.metrics[:] = [(jax.tree_util.keystr(paths[i][0]), metric_name(paths[i][0]), metrics.rules[i].reduction)
+                            for i in scalar]
+      pick = lambda tree: [jax.tree_util.tree_leaves(tree)[i] for i in scalar]
+      point_metrics = (pick(whole_aux), pick(combined_aux))
+  return jnp.stack(wholes), jnp.stack(combined), point_metrics
 
 
 def _metric_plan(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,

@@ -377,20 +377,21 @@ class Planning:
 
     chunk_compilers = compilers._replace(step_bytes=probe)
 
-    def chunk_of(chunk: int):  # the first chunk's data, with the model state at the chunk's size
-      self.target.reset(chunk)
+    def data_of(chunk: int):  # the first chunk's inputs and targets
       return [host_chunk(tree, axes, 0, chunk) for tree, axes in ((inputs, layout.input_axes),
                                                                   (targets, layout.target_axes))]
+
+    def chunk_of(chunk: int):  # the first chunk's data, with the model state at the chunk's size
+      self.target.reset(chunk)
+      return data_of(chunk)
 
     states_now = batched_variables(self.target, batch_size)  # fit reset them at the batch size
 
     def fixed_bytes_of_chunk(chunk: int) -> int:  # _fixed_bytes_at_least at the chunk's size, by arithmetic:
       # no reset (its zeros would compile once per size); the model's batched states scale with the chunk
-      data = [host_chunk(tree, axes, 0, chunk) for tree, axes in ((inputs, layout.input_axes),
-                                                                  (targets, layout.target_axes))]
       states = [bm.as_jax(var.value) for var, _ in states_now.values()]
       scaled = sum(x.nbytes // x.shape[axis] * chunk for x, (_, axis) in zip(states, states_now.values()))
-      return self._fixed_bytes_at_least(*data) - sum(x.nbytes for x in states) + scaled
+      return self._fixed_bytes_at_least(*data_of(chunk)) - sum(x.nbytes for x in states) + scaled
 
     def fitting_chunk_of(chunk: int):  # chunk_of; None where its fixed bytes alone exceed the budget (arithmetic)
       chunk_data = chunk_of(chunk)
