@@ -142,6 +142,62 @@ def test_window_records_bptt_metrics():
   assert_same_history(windowed, expected)
 
 
+def test_per_sample_metrics_of_batches_of_different_sizes_are_kept():
+  """bp.BPTT cannot stack per-sample metrics of a batch of 10 and one of 7 (its fit fails at the end of the
+  epoch); AccumBPTT keeps them: each batch's array as bp.BPTT computes it batch by batch (one fit per batch,
+  which trains as one fit of both), an object array of them as the detailed history, and every epoch's report
+  the mean over its 17 samples."""
+  sizes, loss = (10, 7), metrics_loss(False)
+  batches = make_batches(sizes)
+  model = make_model('rnn')
+  ref = bp.BPTT(model, loss, optimizer=bp.optim.Adam(lr=0.05), loss_has_aux=True, progress_bar=False)
+  expected = {'loss': [], 'per_sample': [], 'per_step': []}
+  for _ in range(2):
+    for batch in batches:
+      ref.fit([batch], num_epoch=1)
+      for name in expected:
+        expected[name].append(ref.get_hist_metric('fit', name, 'detailed')[0])
+  trainer = AccumBPTT(make_model('rnn'), loss, optimizer=bp.optim.Adam(lr=0.05), loss_has_aux=True,
+                      progress_bar=False, num_micro_batch=3, aux_reduction=DECLARED)
+  trainer.fit(batches, num_epoch=2)
+  for p, e in zip(params_of(trainer.target), params_of(model)):
+    np.testing.assert_allclose(p, e, rtol=RTOL, atol=ATOL)
+  for name, want in expected.items():
+    got = trainer.get_hist_metric('fit', name, 'detailed')
+    assert len(got) == 4, name
+    for g, w in zip(got, want):
+      assert np.shape(g) == np.shape(w), name
+      np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=name)
+    report = trainer.get_hist_metric('fit', name, 'report')
+    means = [np.mean(np.concatenate([np.ravel(v) for v in want[i:i + 2]])) for i in (0, 2)]
+    np.testing.assert_allclose(report, means, rtol=RTOL, atol=ATOL, err_msg=name)
+  assert trainer.get_hist_metric('fit', 'per_sample', 'detailed').dtype == object
+  assert trainer.get_hist_metric('fit', 'loss', 'detailed').shape == (4,)
+
+
+def test_history_of_different_shapes_survives_a_checkpoint():
+  """A report window holding per-sample arrays of 10 and 7 samples goes through a checkpoint's state and back."""
+  from brainpy_accum.trainer._report import PhaseLog
+  log = PhaseLog('Train')
+  for n in (10, 7, 10):
+    log.record(np.float32(n), {'per_sample': np.arange(n, dtype=np.float32), 'm': np.float32(1.)}, '')
+    if n == 7:
+      log.close_window(0, 'steps')
+  state = log.state()
+  assert set(state) >= {'shapes/detailed/per_sample', 'window/per_sample'}
+  again = PhaseLog('Train')
+  again.restore(state)
+  again.close_window(1, 'steps')
+  log.close_window(1, 'steps')
+  for a, b in zip(again.arrays(), log.arrays()):
+    assert a.keys() == b.keys()
+    for key in a:
+      assert a[key].shape == b[key].shape, key
+      for x, y in zip(a[key], b[key]):
+        np.testing.assert_array_equal(x, y)
+  assert [len(v) for v in log.arrays()[1]['per_sample']] == [10, 7, 10]
+
+
 @pytest.mark.long
 def test_streamed_chunks_record_bptt_metrics():
   """Batches streamed from the host in chunks (their data is twice the budget): the metrics combine chunk by
