@@ -393,7 +393,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
 
-  def _check_loss_once(self, shared_args, inputs, targets, before_planning: bool = False
+  def _check_loss_once(self, shared_args, inputs, targets, before_planning: bool = False, streamed: bool = False
                        ) -> Optional[Callable[..., None]]:
     """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once).
 
@@ -401,6 +401,8 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     ``before_planning`` (``num_micro_batch='auto'``, a batch not planned yet): start it now, cut in two, so that
     it compiles beside the planner's compilations; only where it can (jit, no mesh, the batch's data well
     within the budget), else ``None`` and it runs beside the first step as usual.
+    ``streamed``: ``inputs, targets`` are samples of a streamed batch, whose chunks combine like micro-batches:
+    cut in two where their plan would not cut them.
     """
     if self._loss_checked:
       return None
@@ -410,6 +412,10 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
           or layout.batch_size in self.memory_plans or 2 * self._argument_bytes(inputs, targets) > self.memory_budget):
         return None
       plan = plan_micro_batches(layout.batch_size, num_micro_batch=2)
+    elif streamed:
+      plan = self._finer_plans.get(layout.batch_size) or self.memory_plans.get(layout.batch_size, (None,))[0]
+      if plan is None or plan.num_micro_batches == 1:
+        plan = plan_micro_batches(layout.batch_size, num_micro_batch=2)
     else:
       plan = self.plan_for(layout.batch_size)
     self._loss_checked = True

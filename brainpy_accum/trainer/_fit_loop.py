@@ -275,7 +275,8 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       for name, (var, axis) in states.items():
         var.value = jax.lax.dynamic_slice_in_dim(whole[name], start, size, axis=axis)  # one program for all starts
       trainer._plan_streamed_chunk(x, y, options.shared_args)  # the shorter last chunk has its own plan
-      finish = (early or parts.check_loss_once(options.shared_args, x, y)) if phase == 'fit' and i == 0 else None
+      finish = (early or _check_streamed(parts, options, inputs, targets, layout, x, y, size, states, whole)
+                ) if phase == 'fit' and i == 0 else None
       kind = _step_kind(trainer, phase, update and i == len(sizes) - 1, streamed=True)
       with _finishing(finish):
         results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))
@@ -286,6 +287,25 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
     for name, (var, axis) in states.items():
       var.value = jnp.concatenate(finals[name], axis=axis)
   return combine(results, weights, trainer.grad_reduction, parts.metric_plan(), sizes)
+
+
+def _check_streamed(parts: TrainerParts, options: LoopOptions, inputs, targets, layout, x, y, size: int,
+                    states: dict, whole: dict):
+  """The first-batch check of a streamed batch, on its first chunk ``x, y`` of ``size`` samples: the chunks
+  combine like micro-batches, so samples the step trains in one piece are still checked cut in two. A chunk of
+  one sample: the check takes the batch's first two samples (and their slice of the model ``states``, from
+  ``whole``), which need no more memory than the check of a chunk of two; the chunk's states are put back."""
+  if size >= 2:
+    return parts.check_loss_once(options.shared_args, x, y, streamed=True)
+  chunk_values = {name: var.value for name, (var, _) in states.items()}
+  try:
+    for name, (var, axis) in states.items():
+      var.value = jax.lax.dynamic_slice_in_dim(whole[name], 0, 2, axis=axis)
+    return parts.check_loss_once(options.shared_args, host_chunk(inputs, layout.input_axes, 0, 2),
+                                 host_chunk(targets, layout.target_axes, 0, 2), streamed=True)
+  finally:
+    for name, (var, _) in states.items():
+      var.value = chunk_values[name]
 
 
 def _call_step(step: Callable, shared_args, inputs, targets):

@@ -164,10 +164,17 @@ class Planning:
     if batch_size in self.stream_chunks:
       return self.memory_plans[self.stream_chunks[batch_size]][0]
     if batch_size not in self.memory_plans or (via_window and self._plan_again_through_window(batch_size)):
-      if may_stream and batch_size > 1 and self._fixed_bytes_at_least(inputs, targets) > self.memory_budget:
+      fixed = self._fixed_bytes_at_least(inputs, targets)
+      if may_stream and batch_size > 1 and fixed > self.memory_budget:
         # arithmetic, no compilation: the step's arguments and updated parameters alone exceed the budget,
         # so no cut of it fits
         return self._plan_stream(layout, shared_args, inputs, targets, step_time, compilers, None)
+      if self.whole_batch_loss and self.mesh is None and fixed > self.memory_budget:
+        raise ValueError(f'memory_budget={format_memory(self.memory_budget)} ({self.memory_budget} bytes) is too '
+                         f'small for batch {batch_size}: its data, the Variables and the updated parameters alone '
+                         f'take at least {format_memory(fixed)} ({fixed} bytes), and whole_batch_loss=True keeps the '
+                         f'whole batch on the device (it is not streamed from the host in chunks). Raise '
+                         f'memory_budget above {fixed}, or pass smaller batches.')
       variables = list(self.vars().unique().values()) + random_states(self.target)
       try:
         with values_restored(variables, any_shape=True):  # the reset draws random numbers: all is put back
@@ -442,13 +449,31 @@ class Planning:
 
     key = None if step_time is not None else self._plan_key(shared_args, inputs, targets, False)
     key = None if key is None else dict(key, streamed=True)  # the choice of chunk, beside the batch's own plans
+    def one_sample_need() -> Optional[int]:  # what streaming one sample at a time needs (a quick probe's figure)
+      chunk_data = chunk_of(1)
+      fixed = self._fixed_bytes_at_least(*chunk_data)
+      if fixed > budget:
+        return fixed
+      try:
+        return min(memory_parts(probe(plan_of(1, 1, remat), shared_args, *chunk_data, True))[0] for remat in options)
+      except ValueError:
+        return None
+
+    need = None
     with values_restored(variables, any_shape=True):  # resets draw random numbers: all is put back as it was
       chunk = self._cached_chunk(key, batch_size, micro_batch_of)
       if chunk is None:
         chunk = best_chunk(batch_size, micro_batch_of, can_hold=can_hold, first=guessed())
         if chunk is not None:
           self._store_plan(key, {'stream_chunk': chunk})
+        else:
+          need = one_sample_need()
     if chunk is None:
+      if need is not None and need > budget:  # the whole batch's error would name the need of the unstreamed step
+        raise ValueError(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small for batch {batch_size}: '
+                         f'its step does not fit with its data on the device, and streamed from the host one sample '
+                         f'at a time it needs about {format_memory(need)} ({need} bytes). Raise memory_budget to at '
+                         f'least {need}' + (', or use remat=True.' if not self.remat else '.'))
       if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
         self._plan_batch(layout, shared_args, inputs, targets, step_time, compilers)
         return self.memory_plans[batch_size][0]

@@ -6,6 +6,8 @@ model state, also with random initial states (drawn at the whole batch's size), 
 """
 
 import json
+import re
+import warnings
 
 import brainpy as bp
 import brainpy.math as bm
@@ -143,6 +145,65 @@ def test_chunk_size_planned_before_as_a_batch_is_planned_again_through_the_windo
   close = step_memory(trainer.compile_step(x, y, plan=trainer.plan_for(chunk), via_window=True, quick=True))
   assert close.total <= budget, (chunk, close.total, budget)
   assert_trees_close(params_of(trainer.target), params_of(reference.target))
+
+
+def _max_over_samples(predicts, targets):  # couples the samples: the worst sample's error
+  return bm.max(bm.mean((predicts - targets) ** 2, axis=(1, 2)))
+
+
+def _mean_over_samples(predicts, targets):  # not BrainPy's own MSE, so that the first-batch check runs
+  return bm.mean((predicts - targets) ** 2)
+
+
+def test_streamed_chunks_trained_in_one_piece_still_get_the_loss_check():
+  """Chunks of 2 trained as one micro-batch, and chunks of 1 sample: the chunks combine like micro-batches, so
+  a loss that couples the samples must warn (the check cuts the first chunk in two, or takes the first two
+  samples for a chunk of one)."""
+  batches = _batches((24,))
+  for times_smaller, chunk in ((3, 2), (4, 1)):
+    trainer = AccumBPTT(_model(), _max_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                        num_micro_batch='auto', memory_budget=_budget(batches, times_smaller), cache=False)
+    with pytest.warns(UserWarning, match='couples the samples'):
+      trainer.fit(batches, num_epoch=1)
+    assert trainer.stream_chunks == {24: chunk} and trainer.memory_plans[chunk][0].num_micro_batches == 1
+
+
+def test_budget_below_one_sample_names_what_streaming_needs_and_that_figure_trains_as_bptt():
+  """A budget that not even one sample at a time fits: the error names the budget that streaming one sample at
+  a time needs (not the unstreamed step's), before anything changes; with that budget the batch streams in
+  chunks of one, checked silently (a mean over samples) and trained as bp.BPTT."""
+  batches = _batches((24, 24), seed=3)
+  trainer = AccumBPTT(_model(), _mean_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=_budget(batches, 6), cache=False)
+  before = params_of(trainer.target)
+  with pytest.raises(ValueError, match='streamed from the host one sample at a time it needs') as error:
+    trainer.fit(batches, num_epoch=1)
+  assert_trees_close(params_of(trainer.target), before, rtol=0, atol=0)
+  need = int(re.search(r'at least (\d+)', str(error.value)).group(1))
+  reference = bp.BPTT(_model(), _mean_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
+  reference.fit(batches, num_epoch=1)
+  trainer = AccumBPTT(_model(), _mean_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=need, cache=False)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UserWarning)
+    trainer.fit(batches, num_epoch=1)
+  assert trainer.stream_chunks == {24: 1} and trainer.memory_plans[1][1] <= need
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
+  np.testing.assert_allclose(trainer.train_losses, reference.train_losses, rtol=1e-5)
+  assert_trees_close(trainer.target.lif.V.value, reference.target.lif.V.value)
+
+
+def test_whole_batch_loss_batch_whose_data_exceeds_the_budget_is_refused_naming_why():
+  """whole_batch_loss=True is not streamed: a batch whose data alone exceeds the budget gets an error that says
+  so, by arithmetic, before any plan is made or anything changes."""
+  batches = _batches((24,))
+  trainer = AccumBPTT(_model(), _max_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=_budget(batches, 3), whole_batch_loss=True, cache=False)
+  before = params_of(trainer.target)
+  with pytest.raises(ValueError, match='whole_batch_loss=True keeps the whole batch'):
+    trainer.fit(batches, num_epoch=1)
+  assert_trees_close(params_of(trainer.target), before, rtol=0, atol=0)
+  assert trainer.memory_plans == {}
 
 
 def test_batch_that_fits_is_not_streamed():
