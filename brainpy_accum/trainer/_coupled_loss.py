@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import brainpy as bp
 import brainpy.math as bm
+import brainstate
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -131,14 +132,15 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
 def _metric_plan(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,
                  large, sizes) -> MetricPlan:
   """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``: the loss
-  alone is traced (``jax.eval_shape``), not the model; ``loss_of=None``: a loss without metrics."""
+  alone is traced (brainstate's ``eval_shape``: a loss that draws random numbers or writes a Variable leaves
+  them as they were, with or without jit), not the model; ``loss_of=None``: a loss without metrics."""
   if loss_of is None:
     return plan_from_shapes({}, {}, sizes, declared, reduction, batch_size)
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
 
   def metrics_at(outputs, n):
     micro_args = treedef.unflatten([x if a is None else first_samples(x, a, n) for x, a in zip(leaves, axes)])
-    return jax.eval_shape(lambda o, t: loss_of(o, t)[1], outputs, micro_args[1])
+    return brainstate.transform.eval_shape(lambda o, t: loss_of(o, t)[1], outputs, micro_args[1])
 
   return plan_from_shapes(metrics_at(small, sizes[0]), metrics_at(large, sizes[1]), sizes, declared, reduction,
                           batch_size)

@@ -11,6 +11,7 @@ the batch axis. No choice, or more than one, raises the error that names ``targe
 import itertools
 from typing import Callable, List, Sequence
 
+import brainstate
 import jax
 
 from ..core._batch import ambiguous_targets_error, describe_leaf, is_array
@@ -50,7 +51,7 @@ def decide_target_axes(predict_shapes: Callable, loss_of: Callable, targets, bat
     for n, outputs in zip(sizes, predicts):
       cut = treedef.unflatten([first_samples(x, a, n) for x, a in zip(leaves, axes)])
       try:
-        loss = jax.eval_shape(lambda o, t: loss_of(o, t)[0], outputs, cut)
+        loss = brainstate.transform.eval_shape(lambda o, t: loss_of(o, t)[0], outputs, cut)  # (Variables too)
       except Exception:  # any shape error of the user's loss is evidence against this choice
         return False
       if getattr(loss, 'shape', None) != ():

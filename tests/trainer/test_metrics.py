@@ -300,6 +300,31 @@ def test_target_with_two_axes_of_the_batch_size_trains_as_bptt(case):
   assert_trained_alike(*results)
 
 
+def test_loss_drawing_random_numbers_without_jit_is_placed_checked_and_trains_as_bptt():
+  """jit=False, a loss with a metric that draws from bm.random, and one-hot targets whose batch axis is found by
+  tracing the loss: the loss is traced for shapes with brainstate's eval_shape, which leaves the random key as
+  it was (JAX's own made BrainPy refuse the tracer written into the key: every target axis was rejected, and
+  the first-batch check said 'Could not check')."""
+  batches, loss, n_out = _class_targets()
+
+  def noisy(predicts, targets):
+    return loss(predicts, targets) + 0. * bm.random.normal(), {'mean_out': bm.mean(predicts)}
+
+  results = []
+  for cls, kwargs in ((bp.BPTT, {}), (AccumBPTT, dict(num_micro_batch=2))):
+    bm.random.seed(0)
+    with bm.training_environment():
+      model = bp.Sequential(bp.dyn.RNNCell(3, 8), bp.dnn.Dense(8, n_out))
+    trainer = cls(model, noisy, optimizer=bp.optim.Adam(lr=0.05), data_first_axis='T', progress_bar=False,
+                  jit=False, loss_has_aux=True, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      trainer.fit(batches, num_epoch=1)
+    assert not [w for w in caught if 'check' in str(w.message) or 'couples' in str(w.message)], caught
+    results.append((params_of(model), trainer.get_hist_metric('fit', 'loss', 'detailed')))
+  assert_trained_alike(*results)
+
+
 def test_target_that_evidence_cannot_place_is_refused_naming_target_batch_axis():
   """A loss that broadcasts either way gives no evidence: the error names target_batch_axis and the shape,
   before anything changes; target_batch_axis=0 then trains."""
