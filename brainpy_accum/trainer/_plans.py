@@ -449,6 +449,7 @@ class Planning:
 
     key = None if step_time is not None else self._plan_key(shared_args, inputs, targets, False)
     key = None if key is None else dict(key, streamed=True)  # the choice of chunk, beside the batch's own plans
+
     def one_sample_need() -> Optional[int]:  # what streaming one sample at a time needs (a quick probe's figure)
       chunk_data = chunk_of(1)
       fixed = self._fixed_bytes_at_least(*chunk_data)
