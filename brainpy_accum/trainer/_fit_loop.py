@@ -174,7 +174,7 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
       if trainer.num_micro_batch == 'auto':
         # the first-batch check may start before planning, to compile beside the planner's compilations
         early = parts.check_loss_once(options.shared_args, inputs, targets, True) if phase == 'fit' else None
-        with _finishing(early, report=False):
+        with _finishing(early, report=False), _errors_of_the_whole_batch(trainer, options.shared_args, inputs, targets):
           trainer.plan_memory(inputs, targets, options.shared_args)
         if (early is not None and layout.batch_size not in trainer.stream_chunks
             and trainer.num_micro_batch_for(layout.batch_size) == 1):
@@ -222,6 +222,27 @@ def _finishing(finish: Optional[Callable[..., None]], report: bool = True):
     finish()
 
 
+@contextlib.contextmanager
+def _errors_of_the_whole_batch(trainer, shared_args, inputs, targets):
+  """Around what traces the model on micro-batches (planning, a step): if it raises, and the model or ``loss_fun``
+  fails on the whole batch too (bp.BPTT's own loss function, traced for shapes only: nothing changes), raise
+  that error instead, the one bp.BPTT gives: a mistake in the user's code or data then reads the same with
+  either trainer, and is not blamed on a micro-batch (whose shapes can make it fail elsewhere, or misleadingly).
+  Where the whole batch traces, the micro-batch's error is raised as it was."""
+  try:
+    yield
+  except Exception as error:
+    try:
+      brainstate.transform.eval_shape(trainer._step_func_loss, shared_args, inputs, targets)
+    except Exception as whole:
+      if type(whole) is type(error) and str(whole) == str(error):
+        raise
+      whole.add_note(f'(AccumBPTT: the model or loss_fun fails on the whole batch, as with bp.BPTT; on a '
+                     f'micro-batch it failed with {type(error).__name__}: {str(error).splitlines()[0][:200]})')
+      raise whole from None
+    raise
+
+
 def _pair(phase: str, position: int, batch) -> Tuple[Any, Any]:
   """``(inputs, targets)`` of one batch, or an error naming the data before anything runs."""
   if not isinstance(batch, (tuple, list)) or len(batch) != 2:
@@ -244,9 +265,10 @@ def _step_kind(trainer, phase: str, update: bool, streamed: bool = False) -> str
 def _run_step(trainer, parts: TrainerParts, phase: str, kind: str, options: LoopOptions, inputs, targets,
               batch_size: int):
   """Run one compiled step (again, cut finer, after running out of device memory); its ``(loss, aux)``."""
-  result, compiles = run_with_retry(
-    lambda: _call_step(parts.step(kind), options.shared_args, inputs, targets),
-    lambda error: parts.replan_finer(batch_size))
+  with _errors_of_the_whole_batch(trainer, options.shared_args, inputs, targets):
+    result, compiles = run_with_retry(
+      lambda: _call_step(parts.step(kind), options.shared_args, inputs, targets),
+      lambda error: parts.replan_finer(batch_size))
   step_phase = 'fit' if phase == 'fit' else 'loss'
   if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
     parts.note_compilations(step_phase, compiles)

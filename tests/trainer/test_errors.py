@@ -110,3 +110,26 @@ def test_stateful_training_needs_state_of_the_batch_size():
   with pytest.raises(ValueError, match=r'holds 3 samples along its batch axis 0, but the batch has 6'):
     trainer.fit(make_batches((6,)), num_epoch=1, reset_state=False)
   assert_trees_close(params_of(trainer.target), params, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('options', [dict(num_micro_batch=2), dict(num_micro_batch='auto', memory_budget='64MiB')],
+                         ids=['N=2', 'auto'])
+def test_model_that_fails_on_the_whole_batch_gives_bp_bptts_error(options):
+  """(batch, features) inputs without a time axis, with micro-batches of 3 == n_in: each micro-batch's time
+  slice passes for one unbatched sample and the failure surfaces in the loss as an unrelated AssertionError.
+  The error raised is bp.BPTT's on the same data (the model's shape error), noted as such, before any change."""
+  x, y = make_batches((6,))[0]
+  batch = [(x[:, 0], y[:, 0])]
+  with pytest.raises(Exception) as expected:
+    bp.BPTT(make_model('rnn'), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05),
+            progress_bar=False).fit(batch, num_epoch=1)
+  trainer = AccumBPTT(make_model('rnn'), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05),
+                      progress_bar=False, cache=False, **options)
+  params, opt_state = params_of(trainer.target), optimizer_state(trainer)
+  with pytest.raises(type(expected.value)) as raised:
+    trainer.fit(batch, num_epoch=1)
+  assert str(raised.value) == str(expected.value)
+  if options['num_micro_batch'] == 2:  # ('auto' meets the error first on the whole batch: nothing to note)
+    assert any('fails on the whole batch, as with bp.BPTT' in note for note in raised.value.__notes__)
+  assert_trees_close(params_of(trainer.target), params, rtol=0, atol=0)
+  assert_trees_close(optimizer_state(trainer), opt_state, rtol=0, atol=0)
