@@ -156,22 +156,28 @@ def _mean_over_samples(predicts, targets):  # not BrainPy's own MSE, so that the
 
 
 def test_streamed_chunks_trained_in_one_piece_still_get_the_loss_check():
-  """Chunks of 2 trained as one micro-batch, and chunks of 1 sample: the chunks combine like micro-batches, so
-  a loss that couples the samples must warn (the check cuts the first chunk in two, or takes the first two
-  samples for a chunk of one)."""
+  """Chunks of 2 trained as one micro-batch (the budget is that step's bytes, so no larger micro-batch fits
+  any chunk): the chunks combine like micro-batches, so a loss that couples the samples must warn (the check
+  cuts the first chunk in two). Chunks of one sample: see the next test."""
   batches = _batches((24,))
-  for times_smaller, chunk in ((3, 2), (4, 1)):
-    trainer = AccumBPTT(_model(), _max_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
-                        num_micro_batch='auto', memory_budget=_budget(batches, times_smaller), cache=False)
-    with pytest.warns(UserWarning, match='couples the samples'):
-      trainer.fit(batches, num_epoch=1)
-    assert trainer.stream_chunks == {24: chunk} and trainer.memory_plans[chunk][0].num_micro_batches == 1
+  x, y = batches[0]
+  probe = AccumBPTT(_model(), _max_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                    num_micro_batch='auto', memory_budget='1GiB', cache=False)
+  probe.target.reset(2)
+  budget = probe.compiled_step_bytes(plan_micro_batches(2, micro_batch_size=2), FIT, x[:2], y[:2], via_window=True)
+  assert budget < x.nbytes + y.nbytes  # the batch is streamed
+  trainer = AccumBPTT(_model(), _max_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=budget, cache=False)
+  with pytest.warns(UserWarning, match='couples the samples'):
+    trainer.fit(batches, num_epoch=1)
+  assert trainer.stream_chunks == {24: 2} and trainer.memory_plans[2][0].num_micro_batches == 1
 
 
 def test_budget_below_one_sample_names_what_streaming_needs_and_that_figure_trains_as_bptt():
   """A budget that not even one sample at a time fits: the error names the budget that streaming one sample at
   a time needs (not the unstreamed step's), before anything changes; with that budget the batch streams in
-  chunks of one, checked silently (a mean over samples) and trained as bp.BPTT."""
+  chunks of one, checked silently (a mean over samples) and trained as bp.BPTT, while a loss that couples the
+  samples warns (the check takes the batch's first two samples)."""
   batches = _batches((24, 24), seed=3)
   trainer = AccumBPTT(_model(), _mean_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
                       num_micro_batch='auto', memory_budget=_budget(batches, 6), cache=False)
@@ -191,6 +197,11 @@ def test_budget_below_one_sample_names_what_streaming_needs_and_that_figure_trai
   assert_trees_close(params_of(trainer.target), params_of(reference.target))
   np.testing.assert_allclose(trainer.train_losses, reference.train_losses, rtol=1e-5)
   assert_trees_close(trainer.target.lif.V.value, reference.target.lif.V.value)
+  coupled = AccumBPTT(_model(), _max_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=need, cache=False)
+  with pytest.warns(UserWarning, match='couples the samples'):  # checked on the batch's first two samples
+    coupled.fit(batches[:1], num_epoch=1)
+  assert coupled.stream_chunks == {24: 1}
 
 
 def test_whole_batch_loss_batch_whose_data_exceeds_the_budget_is_refused_naming_why():
