@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ..checkpoint._resume import Interrupted, Progress, StopRequest, act_on, check_checkpoint_args, deferred_signals
 from ..checkpoint._save_load import load, save
-from ..core._states import all_samples, batched_variables, declared_batch_axes
+from ..core._states import all_samples, batched_variables, declared_batch_axes, values_restored
 from ..diagnostics._compiles import count_compilations
 from ..memory._oom import run_with_retry
 from ..memory._stream import chunk_sizes, combine, host_chunk
@@ -319,15 +319,11 @@ def _check_streamed(parts: TrainerParts, options: LoopOptions, inputs, targets, 
   ``whole``), which need no more memory than the check of a chunk of two; the chunk's states are put back."""
   if size >= 2:
     return parts.check_loss_once(options.shared_args, x, y, streamed=True)
-  chunk_values = {name: var.value for name, (var, _) in states.items()}
-  try:
+  with values_restored([var for var, _ in states.values()], any_shape=True):
     for name, (var, axis) in states.items():
       var.value = jax.lax.dynamic_slice_in_dim(whole[name], 0, 2, axis=axis)
     return parts.check_loss_once(options.shared_args, host_chunk(inputs, layout.input_axes, 0, 2),
                                  host_chunk(targets, layout.target_axes, 0, 2), streamed=True)
-  finally:
-    for name, (var, _) in states.items():
-      var.value = chunk_values[name]
 
 
 def _call_step(step: Callable, shared_args, inputs, targets):
