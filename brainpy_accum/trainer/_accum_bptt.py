@@ -699,6 +699,8 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
 
   def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True,
                   via_window: bool = False):
+    if via_window and update is True and self.accumulate_steps == 1:  # a streamed chunk: the window says
+      update = self._window.closes.value  # whether it closes (one compiled step for all chunks of a size)
     via_window = via_window or self.accumulate_steps != 1
     done = self._run_batch(shared_args, inputs, targets, with_grads=True, update=update, plan=plan,
                            via_window=via_window)

@@ -254,12 +254,13 @@ def _pair(phase: str, position: int, batch) -> Tuple[Any, Any]:
 
 def _step_kind(trainer, phase: str, update: bool, streamed: bool = False) -> str:
   """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or the ``accumulate_steps``
-  window's update), ``'collect'`` (into the window, no update) or ``'close'`` (a streamed batch's last chunk)."""
+  window's update), ``'collect'`` (into the window, no update) or ``'close'`` (every chunk of a streamed
+  batch: the window's ``closes`` flag, set by :func:`_run_streamed`, says whether it updates)."""
   if phase != 'fit':
     return 'loss'
-  if not update:
-    return 'collect'
-  return 'close' if streamed and trainer.accumulate_steps == 1 else 'fit'
+  if streamed and trainer.accumulate_steps == 1:
+    return 'close'
+  return 'fit' if update else 'collect'
 
 
 def _run_step(trainer, parts: TrainerParts, phase: str, kind: str, options: LoopOptions, inputs, targets,
@@ -299,8 +300,9 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       trainer._plan_streamed_chunk(x, y, options.shared_args)  # the shorter last chunk has its own plan
       finish = (early or _check_streamed(parts, options, inputs, targets, layout, x, y, size, states, whole)
                 ) if phase == 'fit' and i == 0 else None
-      kind = _step_kind(trainer, phase, update and i == len(sizes) - 1, streamed=True)
-      with _finishing(finish):
+      last = update and i == len(sizes) - 1
+      kind = _step_kind(trainer, phase, last, streamed=True)
+      with _finishing(finish), _closing(parts.window, kind == 'close' and not last):
         results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))
       weights.append(size if trainer.loss_weight_fn is None else float(trainer.loss_weight_fn(x, y)))
       for name, (var, _) in states.items():
@@ -309,6 +311,20 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
     for name, (var, axis) in states.items():
       var.value = jnp.concatenate(finals[name], axis=axis)
   return combine(results, weights, trainer.grad_reduction, parts.metric_plan(), sizes)
+
+
+@contextlib.contextmanager
+def _closing(window, collect_only: bool):
+  """Run a streamed chunk's ``'close'`` step without the update (``collect_only``): the window's ``closes``
+  flag, an argument of the step, is False inside and True again after."""
+  if not collect_only:
+    yield
+    return
+  window.closes.value = jnp.asarray(False)
+  try:
+    yield
+  finally:
+    window.closes.value = jnp.asarray(True)
 
 
 def _check_streamed(parts: TrainerParts, options: LoopOptions, inputs, targets, layout, x, y, size: int,

@@ -112,7 +112,9 @@ def settle(sums: Sums, across: Callable, mesh_axis: Optional[str] = None, *, red
 
   Without a window the batch's gradient is its mean (``'sum'``: its sum). With one, each device adds its
   own sums to its row of the window, and the devices add their gradients only when ``update`` closes it:
-  one gradient all-reduce per optimizer update; a non-finite batch (on any device) is left out.
+  one gradient all-reduce per optimizer update; a non-finite batch (on any device) is left out. ``update``
+  may also be a traced bool (a streamed chunk's): the window is emptied, and the update applied, only where
+  it is True, so that the chunks that close the window and those that do not run one compiled step.
   """
   if window is None:
     added, summed = _added(sums, across, metrics, sums.grad_sum, sums.total_weight)
@@ -126,8 +128,12 @@ def settle(sums: Sums, across: Callable, mesh_axis: Optional[str] = None, *, red
   finite = (bad == 0) if skip_nonfinite else None
   window.add_sums(sums.grad_sum, sums.total_weight, keep=finite)
   loss, aux = _metrics_of(sums, added, summed, total, mesh_axis, reduction, metrics)
-  if not update:
+  if update is False:
     return Settled(None, None, finite, loss, aux)
-  grad_sum, weight = across(window.take_sums())
+  closes = None if update is True else update
+  grad_sum, weight = across(window.take_sums(where=closes))
   grads = finish_grads(grad_sum, jnp.where(weight > 0, weight, 1.), reduction)
-  return Settled(grads, (weight > 0) if skip_nonfinite else None, finite, loss, aux)
+  apply = (weight > 0) if skip_nonfinite else None
+  if closes is not None:
+    apply = closes if apply is None else apply & closes
+  return Settled(grads, apply, finite, loss, aux)

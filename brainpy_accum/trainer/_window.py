@@ -85,6 +85,9 @@ class GradWindow:
       zeros = {k: jnp.zeros((copies,) + z.shape, z.dtype) for k, z in zeros.items()}
     self.grads = bm.VarDict({k: bm.Variable(z) for k, z in zeros.items()})
     self.weight = bm.Variable(jnp.zeros(() if copies is None else (copies,), jnp.float32))
+    # whether the step now run closes the window: an argument of the step, not part of its program, so that
+    # every chunk of a streamed batch runs one compiled step (set by the fit loop; not a checkpointed sum)
+    self.closes = bm.Variable(jnp.ones((), bool))
 
   def add_sums(self, grad_sums: Dict, weight, keep: Optional[object] = None) -> None:
     """Add already weighted gradient sums (one device's, inside a shard) and their weight."""
@@ -95,18 +98,18 @@ class GradWindow:
       var.value = same_type(var.value + grad_sums[k].astype(var.dtype), var.value)
     self.weight.value = self.weight.value + weight
 
-  def take_sums(self):
-    """Return this device's ``(grad_sums, weight)`` (its row of each sum, on a mesh) and empty the window."""
+  def take_sums(self, where: Optional[object] = None):
+    """Return this device's ``(grad_sums, weight)`` (its row of each sum, on a mesh) and empty the window
+    (only where ``where``, a traced bool, is True; ``None``: always)."""
     row = (lambda x: x) if self.copies is None else (lambda x: x.sum(0))
     sums = {k: row(v.value) for k, v in self.grads.items()}
     weight = row(self.weight.value)
-    self._empty()
+    self._empty(where)
     return sums, weight
 
-  def _empty(self) -> None:
-    for var in self.grads.values():
-      var.value = jnp.zeros_like(var.value)
-    self.weight.value = jnp.zeros_like(self.weight.value)
+  def _empty(self, where: Optional[object] = None) -> None:
+    for var in [*self.grads.values(), self.weight]:
+      var.value = jnp.zeros_like(var.value) if where is None else jnp.where(where, jnp.zeros_like(var.value), var.value)
 
   def variables(self) -> Dict[str, bm.Variable]:
     """The window's Variables by name, for checkpoints."""

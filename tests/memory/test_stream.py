@@ -19,7 +19,7 @@ from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.memory._budget import candidate_micro_batch_sizes, step_memory
 from brainpy_accum.memory._stream import best_chunk, chunk_candidates, chunk_sizes, combine
-from helpers import assert_trees_close, make_batches, make_model, params_of
+from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
 from test_training_loop import windows
 
 
@@ -51,19 +51,75 @@ def test_batch_several_times_the_budget_trains_as_bptt():
   assert set(trainer.stream_chunks) == {48, 22}
   for size, chunk in trainer.stream_chunks.items():
     assert chunk < size and trainer.memory_plans[chunk][1] <= budget
-  steps = set()  # (step, chunk size): every chunk but the last adds to the window, the last also updates
-  for size, chunk in trainer.stream_chunks.items():
-    sizes = chunk_sizes(size, chunk)
-    steps |= {('collect', c) for c in sizes[:-1]} | {('close', sizes[-1])}
-  # one compilation per step and chunk shape, however many chunks, batches and updates: a chunk's model state
-  # and the window's sums keep their weak types from one chunk and one update to the next
-  assert trainer.compilations['fit'] == len(steps)
+  # every chunk runs one step (the window's flag says whether it also updates): one compilation per chunk
+  # shape, however many chunks, batches and updates; a chunk's model state and the window's sums keep their
+  # weak types from one chunk and one update to the next
+  shapes = {c for size, chunk in trainer.stream_chunks.items() for c in chunk_sizes(size, chunk)}
+  assert trainer.compilations['fit'] == len(shapes)
   assert_trees_close(params_of(trainer.target), params_of(reference.target))
   np.testing.assert_allclose(trainer.train_losses, reference.train_losses, rtol=1e-5)
   assert_trees_close(trainer.target.lif.V.value, reference.target.lif.V.value)  # the whole batch's final state
   with count_compilations() as compiled:
     trainer.fit(batches, num_epoch=1)
   assert compiled() == 0
+
+
+def test_streamed_chunk_with_nan_is_left_out_and_the_clipped_update_is_that_of_the_other_chunks():
+  """Every chunk runs the same compiled step, whose update only the last chunk's flag applies: a non-finite
+  chunk (``skip_nonfinite``) leaves the batch's update to the other chunks (bp.BPTT on their samples, with
+  the same clipping), and the chunks before the last update nothing (one Adam step per batch)."""
+  batches = make_batches((24, 24, 24), num_time=T, n_in=N_IN, seed=5)
+  budget = _budget(batches)
+  x, y = batches[1]
+  x = x.copy()
+  x[1, 3, 0] = np.nan  # in the first chunk of the second batch
+  trainer = AccumBPTT(make_model('rnn', n_in=N_IN), bp.losses.mean_squared_error, num_micro_batch='auto',
+                      memory_budget=budget, skip_nonfinite=True, clip_grad_norm=0.05,
+                      optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
+  trainer.fit([batches[0], (x, y), batches[2]], num_epoch=1)
+  chunk = trainer.stream_chunks[24]
+  assert len(chunk_sizes(24, chunk)) > 1  # streamed: the first chunk is left out, the others update
+
+  class ClippedBPTT(bp.BPTT):
+    def _step_func_fit(self, shared_args, inputs, targets):
+      grads, loss = self.f_grad(shared_args, inputs, targets)
+      norm = bm.sqrt(sum(bm.sum(g ** 2) for g in grads.values()))
+      self.optimizer.update({k: g * bm.minimum(1., 0.05 / norm) for k, g in grads.items()})
+      return (loss,)
+
+  reference = ClippedBPTT(make_model('rnn', n_in=N_IN), bp.losses.mean_squared_error,
+                          optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
+  reference.fit([batches[0], (x[chunk:], y[chunk:]), batches[2]], num_epoch=1)
+  assert int(trainer.skipped_steps.value) == 1
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
+  assert_trees_close(optimizer_state(trainer), optimizer_state(reference))  # moments: one update per batch
+
+
+def test_larger_chunk_ruled_out_by_the_same_cut_of_a_smaller_chunk_does_not_fit(monkeypatch):
+  """remat='auto': a larger chunk is not probed for the micro-batches that would win when the same cut,
+  measured in a smaller chunk, plus the larger chunk's extra data and states, exceeds the budget; measured
+  anyway, that cut of the larger chunk does not fit (the bound was right), and training is bp.BPTT's."""
+  batches = _batches((48,))
+  budget = _budget(batches)
+  probed = []
+  probe = AccumBPTT._probe_memory
+  monkeypatch.setattr(AccumBPTT, '_probe_memory', lambda self, plan, *args: probed.append(plan) or probe(self, plan, *args))
+  trainer = AccumBPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=budget, remat='auto', cache=False)
+  trainer.fit(batches, num_epoch=1)
+  chunk = trainer.stream_chunks[48]
+  largest = max(c.micro_batch_size for c in trainer.weighed_plans[chunk] if c.fits)
+  larger = [c for c in chunk_candidates(48) if c > chunk]
+  assert chunk == 6 and largest == 3 and larger  # the workload this test is about
+  assert not [p for p in probed if p.batch_size in larger and p.micro_batch_size == largest]
+  x, y = batches[0]
+  trainer.target.reset(larger[-1])
+  for remat in (False, True):
+    plan = plan_micro_batches(larger[-1], micro_batch_size=largest)._replace(remat=remat)
+    assert probe(trainer, plan, FIT, x[:larger[-1]], y[:larger[-1]], True).total > budget
+  reference = bp.BPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
+  reference.fit(batches, num_epoch=1)
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
 
 
 @pytest.mark.long  # the long suite (--long)
