@@ -98,14 +98,14 @@ def step_memory(compiled) -> StepMemory:
 
 
 def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], Union[int, StepMemory]], *,
-                    measure_pick: Optional[Callable[[int], Union[int, StepMemory]]] = None
-                    ) -> Optional[Tuple[int, int]]:
+                    measure_pick: Optional[Callable[[int], Union[int, StepMemory]]] = None,
+                    guess: Optional[Callable[[int], float]] = None) -> Optional[Tuple[int, int]]:
   """``(size, bytes)`` of the largest of ``sizes`` (largest first) whose ``measure`` fits ``budget``, or ``None``.
 
   Few measurements (each is a compilation): a step's memory is close to affine in the micro-batch size, so
   each probe is the largest size that a line through the measurements nearest the budget predicts to fit::
 
-    probe the largest size; if it fits, done
+    probe the largest size (with a guess: the largest size it predicts to fit); if it fits, done
     repeat: line through the two measurements nearest the budget (from one: through the fixed bytes at
             size 0); probe the largest size between those known to fit and not to that it predicts to fit
             (after two wrong predictions in a row: the middle of the sizes left)
@@ -113,13 +113,18 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
 
   Every answer is measured, never predicted: the size returned was measured to fit. Only the next larger
   size may go unmeasured, when the line, whose error at the answer is known, puts it over the budget by a
-  margin (the larger of 5% of the budget and that error); then that size is taken as not fitting (at
+  margin (the larger of 5% of the budget and that error), and so does the guess's growth from the answer if
+  there is a guess (never the largest size, which is measured: in one piece a batch is another step, off any
+  line through cut steps); then that size is taken as not fitting (at
   worst one micro-batch more than needed, never a step that does not fit). After two probes in a row that
   contradict their prediction the next is a bisection step, so the search stays within a few probes of a
   bisection even where memory is far from a line. Assumes memory grows with the size, as bisection does.
   ``measure_pick``, if given, measures the sizes the line predicts to fit (the likely answer; the trainer compiles
   those as training runs them, so that the answer's compilation is the one training uses); ``measure``
-  the others (the first probe and bisection steps).
+  the others (the first probe and bisection steps). ``guess(size)``, if given, predicts the bytes from other
+  measurements (the same step at another chunk of a streamed batch): the first probe is then the largest size
+  it predicts to fit, measured as a likely answer, instead of the largest size. A guess only orders the
+  probes: the answer is measured as without it, and a wrong guess costs a probe, not a wrong answer.
 
   Examples
   --------
@@ -129,11 +134,17 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
   (80, 500)
   >>> len(probed) < 7  # bisection of 100 sizes probes 7
   True
+  >>> probed = []
+  >>> largest_fitting(sizes, 500, lambda s: probed.append(s) or 100 + 5 * s, guess=lambda s: 100 + 5 * s), probed
+  ((80, 500), [80, 81])
   """
   measured = {}  # size -> total bytes
   fixed = 0
   bad, good = -1, len(sizes)  # indices: sizes[bad] known not to fit, sizes[good] known to fit
   index, predicted, contradicted = 0, None, 0
+  if guess is not None:
+    index = next((i for i, size in enumerate(sizes) if guess(size) <= budget), len(sizes) - 1)
+    predicted = guess(sizes[index])
   while True:
     likely_answer = predicted is not None and predicted <= budget and measure_pick is not None
     measure_now = measure_pick if likely_answer else measure
@@ -150,7 +161,11 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
     line = _line(measured, fixed, budget)
     if fits and predicted is not None and line is not None:
       next_up, error = sizes[good - 1], abs(total - predicted)
-      if line(next_up) > budget + max(error, 0.05 * budget):
+      # with a guess, its growth from the answer must say so too: a line from the fixed bytes through one
+      # measurement overshoots where temporaries do not grow in proportion to the size
+      over = min(line(next_up), total + guess(next_up) - guess(sizes[good]) if guess is not None else line(next_up))
+      # (never the largest size: a batch in one piece is another step, without the micro-batch loop)
+      if good - 1 > 0 and over > budget + max(error, 0.05 * budget):
         break  # the next larger size is over the budget by far more than the line's error at the answer
     index, predicted = _next_probe(sizes, bad, good, budget, line, bisect=contradicted >= 2 or line is None)
   if good == len(sizes):
@@ -184,12 +199,14 @@ def _next_probe(sizes, bad: int, good: int, budget: int, line, bisect: bool) -> 
 
 def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int], Union[int, StepMemory]], *,
                             measure_pick: Optional[Callable[[int], Union[int, StepMemory]]] = None,
-                            below: Optional[int] = None) -> Tuple[int, int]:
+                            below: Optional[int] = None, guess: Optional[Callable[[int], float]] = None
+                            ) -> Tuple[int, int]:
   """Return ``(micro_batch_size, bytes)``: the largest candidate whose ``measure`` fits ``budget``.
 
   :func:`largest_fitting` over :func:`candidate_micro_batch_sizes`, assuming memory
   grows with the micro-batch size; each probe is one ahead-of-time compilation. ``measure_pick``: see
-  :func:`largest_fitting`; ``below``: only sizes smaller than this (after a wrong measurement was corrected).
+  :func:`largest_fitting`; ``below``: only sizes smaller than this (after a wrong measurement was corrected);
+  ``guess``: see :func:`largest_fitting`.
 
   Raises
   ------
@@ -206,7 +223,7 @@ def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int
     return measure_recorded
 
   sizes = [size for size in candidate_micro_batch_sizes(batch_size) if below is None or size < below]
-  found = largest_fitting(sizes, budget, recorded(measure),
+  found = largest_fitting(sizes, budget, recorded(measure), guess=guess,
                           measure_pick=None if measure_pick is None else recorded(measure_pick)) if sizes else None
   if found is None:
     need = measured.get(1, budget + 1)

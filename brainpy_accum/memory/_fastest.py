@@ -45,7 +45,8 @@ def finer_sizes(batch_size: int, size: int, finer: int) -> List[int]:
 def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Remat], Union[int, StepMemory]],
                         step_time: Callable[[Sequence[Tuple[int, Remat]]], Sequence[float]], *,
                         remat_options: Sequence[Remat] = REMAT_OPTIONS, finer: int = 2,
-                        measure_pick: Optional[Callable[[int, Remat], Union[int, StepMemory]]] = None
+                        measure_pick: Optional[Callable[[int, Remat], Union[int, StepMemory]]] = None,
+                        guess: Optional[Callable[[int, Remat], float]] = None
                         ) -> Tuple[Candidate, List[Candidate]]:
   """Return ``(chosen, weighed)``: the fastest fitting candidate and every candidate weighed.
 
@@ -54,6 +55,8 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
   :func:`~brainpy_accum.memory._budget.largest_fitting`); each size is measured once. ``step_time(pairs)``
   gives the step time of each ``(size, remat)`` pair (called once, with all the fitting ones, so that they
   can be timed in interleaved rounds). ``finer``: also weigh 2, 4, ... ``2**finer`` times the micro-batches.
+  ``guess(size, remat)``, given, predicts the bytes from other measurements: each search starts where it
+  predicts the answer (see :func:`~brainpy_accum.memory._budget.largest_fitting`).
 
   Raises
   ------
@@ -83,7 +86,9 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
     sizes = [size for size in candidate_micro_batch_sizes(batch_size) if not remat or size > largest.get(False, 0)]
     of_remat = lambda measure_, remat=remat: (lambda size: recorded(measure_)(size, remat))
     found = largest_fitting(sizes, budget, of_remat(measure),
-                            measure_pick=None if measure_pick is None else of_remat(measure_pick)) if sizes else None
+                            measure_pick=None if measure_pick is None else of_remat(measure_pick),
+                            guess=None if guess is None else (lambda size, remat=remat: guess(size, remat))
+                            ) if sizes else None
     if found is not None:
       largest[remat] = found[0]
     elif (1, remat) in measured:

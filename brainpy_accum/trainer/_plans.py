@@ -46,12 +46,15 @@ class Compilers(NamedTuple):
   the probes of the search; ``trial(plan, shared_args, inputs, targets, via_window) -> PlannedStep``: that step
   compiled for training, to verify, time and keep; ``keepable(via_window)``: whether fit can run a kept step
   (not where it runs another: a window's, a mesh's, or no jit); ``bytes_at_least(plan, shared_args, inputs,
-  targets, via_window) -> int``: a lower bound of that step's memory from its trace alone (no compilation).
+  targets, via_window) -> int``: a lower bound of that step's memory from its trace alone (no compilation);
+  ``guess(plan) -> float or None``: that step's bytes predicted from other measurements (a streamed batch's
+  chunks), where the search for a plan starts; never trusted (``None``: no guess).
   """
   step_bytes: Callable[..., Any]
   trial: Callable[..., PlannedStep]
   keepable: Callable[[bool], bool]
   bytes_at_least: Callable[..., int]
+  guess: Callable[[MicroBatchPlan], Optional[float]] = lambda plan: None
 
 
 def plural(count: int, noun: str) -> str:
@@ -345,9 +348,10 @@ class Planning:
       kept[size] = compilers.trial(plan_of(size), shared_args, inputs, targets, via_window)
       return kept[size].memory
 
+    guess = None if compilers.guess(plan_of(share)) is None else (lambda size: compilers.guess(plan_of(size)))
     below = None
     while True:
-      size, used = choose_micro_batch_size(share, self.memory_budget, probe, below=below,
+      size, used = choose_micro_batch_size(share, self.memory_budget, probe, below=below, guess=guess,
                                            measure_pick=compile_for_training if keepable else None)
       if not keepable:
         return size, used, None  # fit runs a step of its own (a window, a mesh): the probe's figure is XLA's measure
@@ -368,21 +372,41 @@ class Planning:
     not hang on the noise of trial steps). Few are planned: first the one a
     line through the largest chunk's quick probes predicts to win (:func:`~brainpy_accum.memory._stream.likely_chunk`:
     the step's fixed bytes change with the chunk, its temporaries with the micro-batch),
-    then only those that can still hold micro-batches large enough to win, by a lower bound from the step's
-    trace (:mod:`~brainpy_accum.memory._live`) or else a quick probe. The chunks' searches share their probes.
+    then only those that can still hold micro-batches large enough to win, by a lower bound (the same cut
+    measured in a smaller chunk, plus the larger chunk's extra data and states; or one from the step's trace,
+    :mod:`~brainpy_accum.memory._live`) or else a quick probe. The chunks' searches share their probes.
     """
     batch_size, budget = layout.batch_size, self.memory_budget
     variables = list(self.vars().unique().values()) + random_states(self.target)
     options = REMAT_OPTIONS if self.remat == 'auto' else (None,)
     probes, unkept = {}, {}  # unkept: each chunk's step compiled for training; only the chosen chunk's is kept
+    cut_bytes = {}  # (chunk, micro-batch, remat) -> measured bytes of a step of two or more micro-batches
+
+    def noted(plan, memory):
+      if plan.num_micro_batches > 1:
+        cut_bytes[plan.batch_size, plan.micro_batch_size, plan.remat] = memory_parts(memory)[0]
+      return memory
 
     def probe(plan, shared_args, inputs, targets, via_window):  # each quick probe once, for every chunk's search
       key = (plan.batch_size, plan.micro_batch_size, plan.remat, via_window)
       if key not in probes:
-        probes[key] = compilers.step_bytes(plan, shared_args, inputs, targets, via_window)
+        probes[key] = noted(plan, compilers.step_bytes(plan, shared_args, inputs, targets, via_window))
       return probes[key]
 
-    chunk_compilers = compilers._replace(step_bytes=probe)
+    def trial(plan, *args):
+      planned = compilers.trial(plan, *args)
+      noted(plan, planned.memory)
+      return planned
+
+    line = {}  # likely()'s line: the fixed bytes' offset over the arithmetic, the temporaries per sample
+
+    def guess(plan) -> Optional[float]:  # a chunk's step, predicted by likely()'s line (None before it is drawn)
+      slope = line.get('per_sample', {}).get(plan.remat)
+      if slope is None:
+        return None
+      return fixed_bytes_of_chunk(plan.batch_size) + line['offset'] + slope * plan.micro_batch_size
+
+    chunk_compilers = compilers._replace(step_bytes=probe, trial=trial, guess=guess)
 
     def data_of(chunk: int):  # the first chunk's inputs and targets
       return [host_chunk(tree, axes, 0, chunk) for tree, axes in ((inputs, layout.input_axes),
@@ -419,12 +443,19 @@ class Planning:
           return None
       return self._largest_micro[chunk]
 
+    def bytes_from_smaller(plan) -> int:  # a lower bound from the same cut of a smaller chunk, by arithmetic
+      # the same micro-batches in a larger chunk: the temporaries do not shrink, the data and states grow
+      known = [used - fixed_bytes_of_chunk(chunk) for (chunk, micro, remat), used in cut_bytes.items()
+               if micro == plan.micro_batch_size and remat == plan.remat and chunk < plan.batch_size]
+      return max(known) + fixed_bytes_of_chunk(plan.batch_size) if known else 0
+
     def can_hold(chunk: int, micro: int) -> bool:  # does some step of micro-batches of `micro` fit the chunk?
       chunk_data = fitting_chunk_of(chunk)
       if chunk_data is None:
         return False
       try:
-        return any(compilers.bytes_at_least(plan, shared_args, *chunk_data, True) <= budget
+        return any(bytes_from_smaller(plan) <= budget
+                   and compilers.bytes_at_least(plan, shared_args, *chunk_data, True) <= budget
                    and memory_parts(probe(plan, shared_args, *chunk_data, True))[0] <= budget
                    for plan in (plan_of(chunk, micro, remat) for remat in options))
       except ValueError:  # not answered here: planning the chunk will say
@@ -436,10 +467,12 @@ class Planning:
       if top is None:
         return None
       chunk_data = chunk_of(top)  # (the first probes of its own search, if it is planned)
-      measured = [memory_parts(probe(plan_of(top, top, remat), shared_args, *chunk_data, True)) for remat in options]
-      offset = max(fixed for _, fixed in measured) - fixed_least[top]
-      return likely_chunk(batch_size, budget, lambda chunk: fixed_least[chunk] + offset,
-                          [(total - fixed) / top for total, fixed in measured])
+      measured = {remat: memory_parts(probe(plan_of(top, top, remat), shared_args, *chunk_data, True))
+                  for remat in options}
+      line['offset'] = max(fixed for _, fixed in measured.values()) - fixed_least[top]
+      line['per_sample'] = {remat: (total - fixed) / top for remat, (total, fixed) in measured.items()}
+      return likely_chunk(batch_size, budget, lambda chunk: fixed_least[chunk] + line['offset'],
+                          list(line['per_sample'].values()))
 
     def guessed() -> Optional[int]:  # a guess that cannot be made only orders the planning differently
       try:
@@ -542,7 +575,9 @@ class Planning:
       # one compiled for training that does not fit after all (the quick probe measured otherwise) is never chosen
       return [t if step.memory.total <= self.memory_budget else float('inf') for t, step in zip(seconds, steps)]
 
-    chosen, weighed = choose_fastest_plan(share, self.memory_budget, probe, timed, finer=0,
+    guess = None if compilers.guess(plan_of(share, False)) is None else (
+      lambda size, remat: compilers.guess(plan_of(size, remat)))
+    chosen, weighed = choose_fastest_plan(share, self.memory_budget, probe, timed, finer=0, guess=guess,
                                           measure_pick=lambda size, remat: compile_(size, remat).memory)
     if chosen.seconds == float('inf'):
       raise ValueError(f'memory_budget={format_memory(self.memory_budget)}: no plan fits when compiled for '

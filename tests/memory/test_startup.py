@@ -70,6 +70,25 @@ def test_largest_fitting_finds_bisections_answer_with_few_probes(slope, fixed, c
   assert len(probed) <= most, probed
 
 
+@pytest.mark.parametrize('guess_error', [0., 0.03, -0.03, 0.5, -0.5, None])
+@pytest.mark.parametrize('slope, fixed, curve, budget', [(5, 100, 0, 1300), (1, 50, 0, 40), (0.5, 7, 0.002, 60),
+                                                         (3, 0, 0, 3000)])
+def test_a_guess_only_orders_the_probes(slope, fixed, curve, budget, guess_error):
+  """A guess from other measurements (a streamed batch's other chunk) starts the search at its pick; right or
+  wrong, the answer is the one measured without it, and a right guess of a line costs at most two probes.
+  ``None``: a guess that predicts nothing fits."""
+  sizes = candidate_micro_batch_sizes(1000)
+  bytes_of = lambda s: int(fixed + slope * s + curve * s * s)
+  guess = (lambda s: 10 * budget) if guess_error is None else (lambda s: bytes_of(s) * (1 + guess_error))
+  probed = []
+  found = largest_fitting(sizes, budget, lambda s: probed.append(s) or StepMemory(bytes_of(s), fixed), guess=guess)
+  fitting = [s for s in sizes if bytes_of(s) <= budget]
+  assert found == (None if not fitting else (max(fitting), bytes_of(max(fitting))))
+  assert not fitting or found[0] in probed  # measured, never predicted
+  if guess_error == 0. and curve == 0 and fitting:
+    assert len(probed) <= 2, probed
+
+
 def test_answer_is_always_measured_even_where_memory_is_far_from_a_line():
   sizes = list(range(64, 0, -1))
   steps = {s: 10 * s if s < 30 else 1000 + s for s in sizes}  # a jump: lines predict badly across it
