@@ -372,9 +372,10 @@ class Planning:
     not hang on the noise of trial steps). Few are planned: first the one a
     line through the largest chunk's quick probes predicts to win (:func:`~brainpy_accum.memory._stream.likely_chunk`:
     the step's fixed bytes change with the chunk, its temporaries with the micro-batch),
-    then only those that can still hold micro-batches large enough to win, by a lower bound (the same cut
-    measured in a smaller chunk, plus the larger chunk's extra data and states; or one from the step's trace,
-    :mod:`~brainpy_accum.memory._live`) or else a quick probe. The chunks' searches share their probes.
+    then only those that can still hold micro-batches large enough to win, by a lower bound (a cut of no larger
+    micro-batches measured in a chunk no larger, plus the extra data and states; or one from the step's trace,
+    :mod:`~brainpy_accum.memory._live`) or else a quick probe. The chunks' searches share their probes, and
+    each starts at the micro-batch the guess's line predicts (``guess``).
     """
     batch_size, budget = layout.batch_size, self.memory_budget
     variables = list(self.vars().unique().values()) + random_states(self.target)
@@ -443,10 +444,13 @@ class Planning:
           return None
       return self._largest_micro[chunk]
 
-    def bytes_from_smaller(plan) -> int:  # a lower bound from the same cut of a smaller chunk, by arithmetic
-      # the same micro-batches in a larger chunk: the temporaries do not shrink, the data and states grow
+    def bytes_from_smaller(plan) -> int:  # a lower bound of a cut, from cuts of no more samples, by arithmetic
+      # larger micro-batches, or more of them in a larger chunk: the temporaries do not shrink (memory grows
+      # with the micro-batch, as the search assumes), and the data and states grow with the chunk
+      if plan.num_micro_batches < 2:  # in one piece a chunk is another step, without the micro-batch loop
+        return 0
       known = [used - fixed_bytes_of_chunk(chunk) for (chunk, micro, remat), used in cut_bytes.items()
-               if micro == plan.micro_batch_size and remat == plan.remat and chunk < plan.batch_size]
+               if remat == plan.remat and micro <= plan.micro_batch_size and chunk <= plan.batch_size]
       return max(known) + fixed_bytes_of_chunk(plan.batch_size) if known else 0
 
     def can_hold(chunk: int, micro: int) -> bool:  # does some step of micro-batches of `micro` fit the chunk?
