@@ -8,6 +8,7 @@ whose compiled step fits the budget. The memory of a compiled step is
 ``jax.stages.Compiled.memory_analysis()``: deterministic and available on CPU.
 """
 
+import math
 import re
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -114,8 +115,8 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
   Every answer is measured, never predicted: the size returned was measured to fit. Only the next larger
   size may go unmeasured, when the line, whose error at the answer is known, puts it over the budget by a
   margin (the larger of 5% of the budget and that error), and so does the guess's growth from the answer if
-  there is a guess (never the largest size, which is measured: in one piece a batch is another step, off any
-  line through cut steps); then that size is taken as not fitting (at
+  there is a guess (one that was within 5% of the budget at the answer; else the next size is measured);
+  then that size is taken as not fitting (at
   worst one micro-batch more than needed, never a step that does not fit). After two probes in a row that
   contradict their prediction the next is a bisection step, so the search stays within a few probes of a
   bisection even where memory is far from a line. Assumes memory grows with the size, as bisection does.
@@ -161,11 +162,14 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
     line = _line(measured, fixed, budget)
     if fits and predicted is not None and line is not None:
       next_up, error = sizes[good - 1], abs(total - predicted)
-      # with a guess, its growth from the answer must say so too: a line from the fixed bytes through one
-      # measurement overshoots where temporaries do not grow in proportion to the size
-      over = min(line(next_up), total + guess(next_up) - guess(sizes[good]) if guess is not None else line(next_up))
-      # (never the largest size: a batch in one piece is another step, without the micro-batch loop)
-      if good - 1 > 0 and over > budget + max(error, 0.05 * budget):
+      over = line(next_up)
+      if guess is not None:
+        # with a guess, its growth from the answer must say so too (a line from the fixed bytes through one
+        # measurement overshoots where temporaries do not grow in proportion to the size), and only a guess
+        # that was right at the answer, within 5% of the budget, is heard
+        right = abs(total - guess(sizes[good])) <= 0.05 * budget
+        over = min(over, total + guess(next_up) - guess(sizes[good])) if right else -math.inf
+      if over > budget + max(error, 0.05 * budget):
         break  # the next larger size is over the budget by far more than the line's error at the answer
     index, predicted = _next_probe(sizes, bad, good, budget, line, bisect=contradicted >= 2 or line is None)
   if good == len(sizes):

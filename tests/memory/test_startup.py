@@ -89,6 +89,17 @@ def test_a_guess_only_orders_the_probes(slope, fixed, curve, budget, guess_error
     assert len(probed) <= 2, probed
 
 
+def test_a_guess_wrong_at_the_answer_does_not_rule_out_the_next_size():
+  """A chunk of 2 of a tiny model: the accumulators dominate, so the step of 1 x 2 needs hardly more than
+  2 x 1, while the guess (drawn through another chunk in one piece) and the line from the fixed bytes both
+  grow steeply. The guess was 14% off at its pick, so it is not heard: 2 is measured, and fits."""
+  steps = {2: 40189, 1: 39901}
+  probed = []
+  found = largest_fitting([2, 1], 40189, lambda s: probed.append(s) or StepMemory(steps[s], 28373),
+                          guess=lambda s: 28373 + 6000 * s)
+  assert found == (2, 40189) and probed == [1, 2]
+
+
 def test_answer_is_always_measured_even_where_memory_is_far_from_a_line():
   sizes = list(range(64, 0, -1))
   steps = {s: 10 * s if s < 30 else 1000 + s for s in sizes}  # a jump: lines predict badly across it
