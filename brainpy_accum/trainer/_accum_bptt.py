@@ -389,18 +389,23 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
                          replan_finer=functools.partial(self._replan_finer, rebuild=self._jit_steps),
                          note_compilations=self._note_compilations, step=self._step_of,
                          without_time_step_bars=self._without_time_step_bars, window=self._window,
-                         metric_plan=lambda: self._metric_rules)
+                         metric_plan=lambda: self._metric_rules, plan_cached=self._plan_cached)
     run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
 
   def _check_loss_once(self, shared_args, inputs, targets, before_planning: bool = False, streamed: bool = False
-                       ) -> Optional[Callable[..., None]]:
+                       ) -> Optional[Callable[[], Optional[Callable[..., None]]]]:
     """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once).
 
-    Returns ``finish()`` for fit to call after the first step when the check runs beside it, else ``None``.
-    ``before_planning`` (``num_micro_batch='auto'``, a batch not planned yet): start it now, cut in two, so that
-    it compiles beside the planner's compilations; only where it can (jit, no mesh, the batch's data well
-    within the budget), else ``None`` and it runs beside the first step as usual.
+    A model that fails on a micro-batch raises now (the error that names the fix). Returns ``start()``, or
+    ``None`` where there is nothing to check: ``start()`` checks the loss, on the values the Variables hold
+    then (fit calls it once the first step is dispatched, so that the check's tracing overlaps the step's run;
+    nothing the check computes depends on those values), and returns ``finish()`` for fit to call after the
+    first step when the check runs beside it, else ``None``.
+    ``before_planning`` (``num_micro_batch='auto'``, a batch not planned yet): cut in two, so that it can start
+    before planning and compile beside the planner's search (its cut does not wait for the plan, and is the same
+    whether the plan is searched or read from the plan cache); only where it can (jit, no mesh, the batch's data
+    well within the budget), else ``None`` and fit checks the planned cut, beside the first step as usual.
     ``streamed``: ``inputs, targets`` are samples of a streamed batch, whose chunks combine like micro-batches:
     cut in two where their plan would not cut them.
     """
@@ -426,15 +431,19 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     if self._loss_func in MEANS_OVER_ELEMENTS and not self.loss_has_aux and self.loss_weight_fn is None \
         and self.grad_reduction == 'mean':
       return None  # a mean over every element is a mean over samples: nothing to check (see _coupled_loss)
-    variables = list(self.vars().unique().values()) + random_states(self.target)
-    with self._without_time_step_bars():
-      finish = check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
-                                 plan=plan, forward=self._forward, loss_of=self._loss_of,
-                                 weigh=self._weigh, variables=variables, jit=self.jit[c.FIT_PHASE],
-                                 reduction=self.grad_reduction, declared=self.aux_reduction,
-                                 has_metrics=self.loss_has_aux)
-    self._check_running = finish  # the planner waits for it before timing trial steps
-    return finish
+
+    def start() -> Optional[Callable[..., None]]:
+      variables = list(self.vars().unique().values()) + random_states(self.target)
+      with self._without_time_step_bars():
+        finish = check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
+                                   plan=plan, forward=self._forward, loss_of=self._loss_of,
+                                   weigh=self._weigh, variables=variables, jit=self.jit[c.FIT_PHASE],
+                                   reduction=self.grad_reduction, declared=self.aux_reduction,
+                                   has_metrics=self.loss_has_aux)
+      self._check_running = finish  # the planner waits for it before timing trial steps
+      return finish
+
+    return start
 
   # ------------------------------------------------------------------ placement, plans, checkpoints
 

@@ -11,7 +11,7 @@ again, resumes from there.
 import contextlib
 import itertools
 import os
-from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Sized, Tuple, cast
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Sized, Tuple, cast
 
 import brainpy.math as bm
 import brainstate.environ
@@ -37,15 +37,17 @@ class TrainerParts(NamedTuple):
   """What the loop calls on the trainer beyond its public attributes, handed over by the trainer itself."""
   check_batch: Callable[[Any, Any], Any]         # (inputs, targets) -> BatchLayout; raises before anything changes
   place_on_mesh: Callable[[int], None]           # (batch_size): the Variables on the mesh (nothing without one)
-  # (shared_args, inputs, targets[, before_planning]): the first batch's loss check; its finish() when it runs
+  # (shared_args, inputs, targets[, before_planning]): the first batch's loss check, once: checks the model's
+  # states now, returns start() (or None), which starts the loss check and returns its finish() when it runs
   # beside the first step (or, before_planning, beside the planner)
-  check_loss_once: Callable[..., Optional[Callable[..., None]]]
+  check_loss_once: Callable[..., Optional[Callable[[], Optional[Callable[..., None]]]]]
   replan_finer: Callable[[int], str]             # (batch_size) -> what changed, after running out of memory
   note_compilations: Callable[[str, int], None]  # (phase, count): XLA compilations of a step
   step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
   without_time_step_bars: Callable[[], ContextManager]  # tracing without per-time-step progress bars
   window: Any                                    # the accumulate_steps window (GradWindow) or None, for checkpoints
   metric_plan: Callable[[], Any] = lambda: None  # () -> how the last traced step combined its metrics (MetricPlan)
+  plan_cached: Callable[..., bool] = lambda *batch: False  # (shared_args, inputs, targets): a cached plan to read
 
 
 class LoopOptions(NamedTuple):
@@ -162,6 +164,7 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
   window = steps_for_epoch(trainer.accumulate_steps, epoch) if phase == 'fit' else 1
   if skip == 0:
     log.start_epoch()
+  checking: List[Callable[..., None]] = []  # the first-batch check, started beside the first step
   try:
     for position, (batch, last) in enumerate(with_last_flag(itertools.islice(batches, skip, None)), start=skip):
       inputs, targets = _pair(phase, position, batch)
@@ -170,41 +173,58 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
         trainer.target.reset(layout.batch_size)
         trainer.reset_state()
       parts.place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
-      early = None
+      # the first-batch check (once per trainer, changes nothing): ``start`` it later, or ``early`` it started
+      early = start = None
       if trainer.num_micro_batch == 'auto':
-        # the first-batch check may start before planning, to compile beside the planner's compilations
-        early = parts.check_loss_once(options.shared_args, inputs, targets, True) if phase == 'fit' else None
+        start = parts.check_loss_once(options.shared_args, inputs, targets, True) if phase == 'fit' else None
+        if start is not None and not parts.plan_cached(options.shared_args, inputs, targets):
+          start, early = None, start()  # before planning: it compiles beside the search (a cached plan has none)
         with _finishing(early, report=False), _errors_of_the_whole_batch(trainer, options.shared_args, inputs, targets):
           trainer.plan_memory(inputs, targets, options.shared_args)
-        if (early is not None and layout.batch_size not in trainer.stream_chunks
-            and trainer.num_micro_batch_for(layout.batch_size) == 1):
-          early(report=False)  # one micro-batch: accumulation trains the whole batch's loss, nothing to warn about
-          early = None  # (a streamed batch's chunks are combined like micro-batches: its check stays)
+        if layout.batch_size not in trainer.stream_chunks and trainer.num_micro_batch_for(layout.batch_size) == 1:
+          if early is not None:  # one micro-batch: accumulation trains the whole batch's loss, nothing to warn
+            early(report=False)  # about (a streamed batch's chunks are combined like micro-batches: its check stays)
+          early = start = None
       update = last or (position + 1) % window == 0
       chunk = trainer.stream_chunks.get(layout.batch_size)
       if chunk is None:
-        # once per trainer, changes nothing; compiled beside the first step, its warnings come after it
-        finish = early or (parts.check_loss_once(options.shared_args, inputs, targets) if phase == 'fit' else None)
-        with _finishing(finish):
+        if early is None and start is None and phase == 'fit':
+          start = parts.check_loss_once(options.shared_args, inputs, targets)
+        with _finishing(early):
           loss, aux = _run_step(trainer, parts, phase, _step_kind(trainer, phase, update), options, inputs,
                                 targets, layout.batch_size)
+        # the check not started yet is traced now, while the step runs (dispatched), compiled and run beside it
+        # and the next; its warnings once the next is dispatched (or at a report, or the pass's end)
+        _finish(checking)
+        checking += [check for check in (_started(start),) if check is not None]
       else:
-        loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk, early)
+        loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk,
+                                  early or _started(start))
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
       if phase == 'fit':
         run.batch_trained(update)
       if bar is not None:
         bar.update(1)
       if options.num_report > 0 and log.steps % options.num_report == 0:
+        _finish(checking)  # its warnings before the report
         _emit(trainer, log, log.steps, 'steps', phase, bar, options.fun_after_report)
       if phase == 'fit':
         run.after_report(update)
       stop.check()
+    _finish(checking)
     if options.num_report <= 0:
       _emit(trainer, log, epoch, 'epoch', phase, bar, options.fun_after_report)
+  except BaseException:
+    _finish(checking)  # no thread of the check outlives fit; the step it accompanied ran: its warnings apply
+    raise
   finally:
     if bar is not None:
       bar.close()
+
+
+def _started(start: Optional[Callable[[], Optional[Callable[..., None]]]]) -> Optional[Callable[..., None]]:
+  """The first-batch check started now: its ``finish()``, or ``None``."""
+  return None if start is None else start()
 
 
 @contextlib.contextmanager
@@ -220,6 +240,13 @@ def _finishing(finish: Optional[Callable[..., None]], report: bool = True):
     raise
   if finish is not None and report:
     finish()
+
+
+def _finish(checking: List[Callable[..., None]], report: bool = True) -> None:
+  """Wait for the first-batch checks in ``checking`` and give their warnings (``report=False``: only wait);
+  empties it."""
+  while checking:
+    checking.pop(0)(report=report)
 
 
 @contextlib.contextmanager
@@ -334,12 +361,12 @@ def _check_streamed(parts: TrainerParts, options: LoopOptions, inputs, targets, 
   one sample: the check takes the batch's first two samples (and their slice of the model ``states``, from
   ``whole``), which need no more memory than the check of a chunk of two; the chunk's states are put back."""
   if size >= 2:
-    return parts.check_loss_once(options.shared_args, x, y, streamed=True)
+    return _started(parts.check_loss_once(options.shared_args, x, y, streamed=True))
   with values_restored([var for var, _ in states.values()], any_shape=True):
     for name, (var, axis) in states.items():
       var.value = jax.lax.dynamic_slice_in_dim(whole[name], 0, 2, axis=axis)
-    return parts.check_loss_once(options.shared_args, host_chunk(inputs, layout.input_axes, 0, 2),
-                                 host_chunk(targets, layout.target_axes, 0, 2), streamed=True)
+    return _started(parts.check_loss_once(options.shared_args, host_chunk(inputs, layout.input_axes, 0, 2),
+                                          host_chunk(targets, layout.target_axes, 0, 2), streamed=True))
 
 
 def _call_step(step: Callable, shared_args, inputs, targets):

@@ -8,6 +8,7 @@ calls back into the trainer's steps.
 """
 
 import functools
+import os
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
@@ -290,6 +291,11 @@ class Planning:
     if self._plan_cache is None or self.mesh is not None:
       return None
     return plan_key(self, shared_args, inputs, targets, via_window)
+
+  def _plan_cached(self, shared_args, inputs, targets) -> bool:
+    """Whether the plan cache has a file for this batch's plan (not read: planning reads and checks it)."""
+    key = self._plan_key(tools.DotDict({'fit': True, **(shared_args or {})}), inputs, targets, False)
+    return key is not None and os.path.exists(self._plan_cache.path(key))
 
   def _store_plan(self, key: Optional[dict], plan: dict) -> None:
     if key is not None:

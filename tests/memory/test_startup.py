@@ -226,3 +226,35 @@ def test_code_digest_does_not_depend_on_reference_counts():
   held = list(code.co_consts) * 3  # more references to the constants
   assert marshal.dumps(code) != marshalled  # the effect the digest must not have (CPython)
   assert _code(namespace['loss']) == before and held
+
+
+_CACHE_EVENTS = {'/jax/compilation_cache/compile_requests_use_cache': 0, '/jax/compilation_cache/cache_hits': 0}
+
+
+def _count_cache_event(event, **kwargs):
+  if event in _CACHE_EVENTS:
+    _CACHE_EVENTS[event] += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_event)
+
+
+def test_rerun_with_a_cached_plan_compiles_nothing_new_the_loss_check_included(data, tmp_path):
+  """A checked loss (not one of BrainPy's means over elements): the rerun reads its plan and checks the loss
+  cut as the first run did, so every compilation of the rerun, the check's (on its own thread) included,
+  is found in JAX's persistent cache."""
+  batches, budget, _ = data
+  mean_of_squares = lambda predicts, targets: bp.losses.mean_squared_error(predicts, targets)
+
+  def fit():
+    model = _model()
+    AccumBPTT(model, mean_of_squares, optimizer=bp.optim.Adam(lr=0.05), num_micro_batch='auto',
+              memory_budget=budget, progress_bar=False, cache=tmp_path).fit(batches, num_epoch=1)
+    return params_of(model)
+
+  first = fit()
+  before = dict(_CACHE_EVENTS)
+  again = fit()
+  requests, hits = (_CACHE_EVENTS[e] - before[e] for e in _CACHE_EVENTS)
+  assert requests >= 2 and hits == requests  # the step and the check at least; nothing compiled anew
+  assert_trees_close(again, first)

@@ -1,5 +1,6 @@
 """The default mode's first-batch check sees a coupled loss at random outputs, whatever the model's first outputs."""
 
+import threading
 import warnings
 
 import brainpy as bp
@@ -154,3 +155,16 @@ def test_loss_that_writes_a_variable_is_checked_and_the_variable_stays_concrete(
     _fit(loss, model='rnn', jit=jit)
   assert not _coupled(record) and not [w for w in record if 'Could not check' in str(w.message)]
   assert np.isfinite(np.asarray(stat.value + 1.))
+
+
+def test_check_traced_beside_the_first_step_warns_even_when_a_later_batch_fails():
+  """The check is traced once the first step is dispatched and finished later: a second batch that fails
+  (targets for fewer samples than its inputs: a ValueError before anything changes) still gets the first
+  step's warning, and no thread of the check outlives fit."""
+  (x, y), = make_batches((10,))
+  bad = (x, y[:6])
+  trainer = AccumBPTT(make_model('rnn'), batch_normalised, num_micro_batch=3, progress_bar=False)
+  with pytest.warns(UserWarning, match='couples the samples') as record, pytest.raises(ValueError):
+    trainer.fit([(x, y), bad], num_epoch=1)
+  assert len(_coupled(record)) == 1
+  assert not [t for t in threading.enumerate() if 'first-batch check' in t.name]
