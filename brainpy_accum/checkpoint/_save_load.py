@@ -7,7 +7,8 @@ against the trainer (format, counts, shapes, dtypes) before assigning
 anything: a corrupt or mismatched file raises and leaves the trainer as it was.
 Variables are matched by position in BrainPy's traversal order, not by their
 auto-generated names, which differ between processes that build other
-objects first.
+objects first; the ``accumulate_steps`` window's sums, kept in the sorted order
+of their parameters' names, are matched through the parameter each belongs to.
 
 With several processes (:func:`jax.distributed.initialize`) every process
 takes part in gathering the values (some, like the ``accumulate_steps``
@@ -153,12 +154,30 @@ def _read(path: str) -> dict:
   return tree
 
 
-def _check_group(path, group, variables, stored) -> None:
+def _stored_keys(tree: dict, group: str, variables: Dict[str, bm.Variable], params: Dict[str, bm.Variable]) -> list:
+  """The stored key of each of ``variables`` (a group of this trainer, by name): the same position, but for the
+  ``accumulate_steps`` window's sums, which are named after the parameters (``window/grads/<name>``) and kept
+  in the order of those names (JAX sorts a dict's keys: ``Dense10`` before ``Dense9``): each is the stored sum
+  of the parameter at its parameter's position, whatever the names were in the process that saved it."""
+  keys = [_key(i) for i in range(len(variables))]
+  names = tree.get('names', {})
+  if group != 'counters' or 'params' not in names or group not in names:
+    return keys
+  saved_param = {current: names['params'].get(_key(i)) for i, current in enumerate(params)}
+  stored_at = {name: key for key, name in names[group].items()}
+  for i, name in enumerate(variables):
+    if name.startswith('window/grads/'):
+      saved = f"window/grads/{saved_param.get(name[len('window/grads/'):])}"
+      keys[i] = stored_at.get(saved, keys[i])
+  return keys
+
+
+def _check_group(path, group, variables, stored, keys) -> None:
   if len(stored) != len(variables):
     raise ValueError(f'Checkpoint path={path!r} holds {len(stored)} {group} variables, this trainer has '
                      f'{len(variables)}: it was saved from another model or configuration. Nothing was loaded.')
-  for i, (name, var) in enumerate(variables.items()):
-    value, current = np.asarray(stored[_key(i)]), _to_host(var.value)
+  for key, (name, var) in zip(keys, variables.items()):
+    value, current = np.asarray(stored[key]), _to_host(var.value)
     axis = getattr(var, 'batch_axis', None)
     shape, expected = list(value.shape), list(current.shape)
     if axis is not None and len(shape) == len(expected):
@@ -178,13 +197,14 @@ def load(trainer, path: str, window) -> Optional[Tuple[Progress, Dict[str, dict]
   path = os.fspath(path)
   tree = _read(path)
   groups = checkpoint_groups(trainer, window)
+  keys = {group: _stored_keys(tree, group, variables, groups['params']) for group, variables in groups.items()}
   for group, variables in groups.items():
     if group not in tree['values']:
       raise ValueError(f'Checkpoint path={path!r} lacks the {group} group. Nothing was loaded.')
-    _check_group(path, group, variables, tree['values'][group])
+    _check_group(path, group, variables, tree['values'][group], keys[group])
   for group, variables in groups.items():
-    for i, var in enumerate(variables.values()):
-      var.value = _from_host(tree['values'][group][_key(i)], var.value)
+    for key, var in zip(keys[group], variables.values()):
+      var.value = _from_host(tree['values'][group][key], var.value)
   return _run_of(tree)
 
 

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import uuid
 import warnings
 
 import brainpy as bp
@@ -217,6 +218,28 @@ def test_resume_equals_training_straight_through(fresh_process, tmp_path):
     second.fit(make_batches(sizes), num_epoch=1)
     resumed = params_of(second.target)
   assert_trees_close(resumed, params_of(straight.target), rtol=0, atol=1e-6)
+
+
+def _named_trainer(first: str, second: str):
+  """A rate RNN whose two layers have the given names (so its parameters' names sort as chosen)."""
+  with bm.training_environment():
+    model = bp.Sequential(bp.dyn.RNNCell(3, 8, name=first), bp.dnn.Dense(8, 2, name=second))
+  return AccumBPTT(model, bp.losses.mean_squared_error, num_micro_batch=2, accumulate_steps=3, progress_bar=False)
+
+
+def test_window_sums_load_onto_their_parameters_whatever_the_names(tmp_path):
+  """Auto-generated names differ between processes (``Dense9`` here, ``Dense12`` there), and the window's sums
+  are kept in the sorted order of their names, where ``x10`` comes before ``x9``: a checkpoint taken mid-window
+  under such names loads each sum onto its own parameter in a trainer whose names sort the other way."""
+  tag = f'ckpt{uuid.uuid4().hex[:8]}_'  # BrainPy's names are unique in a process
+  saved = _named_trainer(f'{tag}9', f'{tag}10')  # names that sort against the layers' order
+  for i, var in enumerate(saved._window.grads.values()):  # sums in the middle of a window: a value for each
+    var.value = jnp.full_like(var.value, i + 1.)
+  path = saved.save_checkpoint(str(tmp_path / 'mid.ckpt'))
+  loaded = _named_trainer(f'{tag}a', f'{tag}b')
+  loaded.load_checkpoint(path)
+  for old_name, new_name in zip(saved.target.train_vars().unique(), loaded.target.train_vars().unique()):
+    np.testing.assert_array_equal(loaded._window.grads[new_name].value, saved._window.grads[old_name].value)
 
 
 def test_corrupt_or_mismatched_checkpoint_leaves_the_trainer_untouched(tmp_path):
