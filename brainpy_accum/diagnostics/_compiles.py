@@ -51,7 +51,7 @@ class Compilations:
 
     Counted from JAX's backend-compilation events while a step is called, so it
     is exact with or without a mesh: one per distinct batch shape (and, with
-    ``accumulate_steps``, one more for the step that only collects).
+    ``accumulate_steps`` on a mesh, one more for the step that only collects).
 
     Examples
     --------

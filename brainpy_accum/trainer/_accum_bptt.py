@@ -573,7 +573,9 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     state enters at its current size: call ``model.reset(batch_size)`` first,
     as :meth:`fit` does. ``plan`` overrides the trainer's micro-batch plan;
     ``update=False`` compiles the step that only adds a batch to the
-    ``accumulate_steps`` window; ``via_window=True`` the step that passes its
+    ``accumulate_steps`` window (``update=True`` through the window without a
+    mesh: the step fit runs for both, which updates where the window's flag
+    says); ``via_window=True`` the step that passes its
     gradient through the window (that of a streamed batch's last chunk).
     ``quick=True`` leaves XLA's code generation unoptimised: faster to compile,
     slower to run, with the same memory analysis (the planner's probes).
@@ -708,9 +710,10 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
 
   def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True,
                   via_window: bool = False):
-    if via_window and update is True and self.accumulate_steps == 1:  # a streamed chunk: the window says
-      update = self._window.closes.value  # whether it closes (one compiled step for all chunks of a size)
     via_window = via_window or self.accumulate_steps != 1
+    if via_window and update is True and self.mesh is None:  # through the window, the window's flag says whether
+      update = self._window.closes.value  # it closes: one compiled step for both (on a mesh, the step that only
+      # collects does without the devices' all-reduce, so it is a program of its own)
     done = self._run_batch(shared_args, inputs, targets, with_grads=True, update=update, plan=plan,
                            via_window=via_window)
     if done.finite is not None:

@@ -190,9 +190,9 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
       if chunk is None:
         if early is None and start is None and phase == 'fit':
           start = parts.check_loss_once(options.shared_args, inputs, targets)
-        with _finishing(early):
-          loss, aux = _run_step(trainer, parts, phase, _step_kind(trainer, phase, update), options, inputs,
-                                targets, layout.batch_size)
+        kind = _step_kind(trainer, phase, update)
+        with _finishing(early), _closing(parts.window, kind == 'close' and not update):
+          loss, aux = _run_step(trainer, parts, phase, kind, options, inputs, targets, layout.batch_size)
         # the check not started yet is traced now, while the step runs (dispatched), compiled and run beside it
         # and the next; its warnings once the next is dispatched (or at a report, or the pass's end)
         _finish(checking)
@@ -280,12 +280,13 @@ def _pair(phase: str, position: int, batch) -> Tuple[Any, Any]:
 
 
 def _step_kind(trainer, phase: str, update: bool, streamed: bool = False) -> str:
-  """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or the ``accumulate_steps``
-  window's update), ``'collect'`` (into the window, no update) or ``'close'`` (every chunk of a streamed
-  batch: the window's ``closes`` flag, set by :func:`_run_streamed`, says whether it updates)."""
+  """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or on a mesh the
+  ``accumulate_steps`` window's update), ``'collect'`` (on a mesh: into the window, no update) or ``'close'``
+  (every step through the window without a mesh, a streamed chunk's or an ``accumulate_steps`` batch's: the
+  window's ``closes`` flag, set around it by :func:`_closing`, says whether it updates; one program for both)."""
   if phase != 'fit':
     return 'loss'
-  if streamed and trainer.accumulate_steps == 1:
+  if (streamed or trainer.accumulate_steps != 1) and trainer.mesh is None:
     return 'close'
   return 'fit' if update else 'collect'
 
@@ -342,8 +343,9 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
 
 @contextlib.contextmanager
 def _closing(window, collect_only: bool):
-  """Run a streamed chunk's ``'close'`` step without the update (``collect_only``): the window's ``closes``
-  flag, an argument of the step, is False inside and True again after."""
+  """Run a ``'close'`` step (a streamed chunk's, or an ``accumulate_steps`` batch's) without the update
+  (``collect_only``): the window's ``closes`` flag, an argument of the step, is False inside and True again
+  after."""
   if not collect_only:
     yield
     return

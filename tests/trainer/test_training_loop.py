@@ -48,6 +48,16 @@ def test_accumulate_steps_equals_bptt_on_concatenated_batches(num_micro_batch):
   assert_trees_close(params, ref_params)
 
 
+def test_accumulate_steps_compiles_one_step_for_collecting_and_updating():
+  """Batches of one size: the steps that only collect and those that update the window are one compiled program
+  (the window's flag, an argument, says which), and training is bp.BPTT's on the windows."""
+  batches = make_batches((6,) * 5)  # windows of 2, 2 and the short last window 1
+  params, trainer = train(AccumBPTT, batches, num_micro_batch=2, accumulate_steps=2)
+  assert trainer.compilations['fit'] == 1
+  ref_params, _ = train(bp.BPTT, windows(batches, 2))
+  assert_trees_close(params, ref_params)
+
+
 def test_accumulate_steps_alone_needs_no_micro_batch_option():
   batches = make_batches(UNEVEN)
   params, _ = train(AccumBPTT, batches, accumulate_steps=2)
