@@ -192,8 +192,9 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
   values of now. Returns ``finish(report=True)``, which waits for it and warns (``report=False``: only waits,
-  for a step that raised): XLA compiles the check while the first train step is traced, compiled and run, and
-  the check's result does not depend on that step. No thread outlives the call of ``finish``."""
+  for a step that raised): XLA compiles and runs the check while fit goes on (the planner's search, or the
+  first train steps, dispatched before the check is traced), and the check's result does not depend on what
+  those steps change. No thread outlives the call of ``finish``."""
   names = _Names()
   with values_restored(variables):
     try:
@@ -291,8 +292,8 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
   ``variables``: what the check must leave as it found it; ``jit``: compile the check; ``declared``: the
   metrics' ``aux_reduction``; ``has_metrics``: whether ``loss_of`` returns any (``loss_has_aux``).
 
-  With ``jit`` the check is compiled and run beside the first train step (:func:`check_in_background`); the
-  returned ``finish()``, called after that step, waits for it and warns. Without: it runs and warns now, and
+  With ``jit`` the check is compiled and run beside the first train steps (:func:`check_in_background`); the
+  returned ``finish()``, called after them, waits for it and warns. Without: it runs and warns now, and
   ``None`` is returned.
   """
   # the whole batch cut into micro-batches of the plan's size (with a mesh the plan cuts one device's share)

@@ -196,7 +196,9 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
         # the check not started yet is traced now, while the step runs (dispatched), compiled and run beside it
         # and the next; its warnings once the next is dispatched (or at a report, or the pass's end)
         _finish(checking)
-        checking += [check for check in (_started(start),) if check is not None]
+        started = _started(start)
+        if started is not None:
+          checking.append(started)
       else:
         loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk,
                                   early or _started(start))
