@@ -38,7 +38,7 @@ def _pick(workload: str, shape: Shape, budget: int, remat) -> tuple:
   trainer = _trainer(workload, shape, num_micro_batch='auto', memory_budget=budget, remat=remat)
   with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     plan = trainer.plan_memory(*make_batch(shape))
-  estimate = [c.seconds for c in trainer.weighed_plans.get(shape.batch, ())
+  estimate = [c.seconds for c in trainer.planner.weighed_plans.get(shape.batch, ())
               if (c.micro_batch_size, c.remat) == (plan.micro_batch_size, plan.remat)]
   return plan.micro_batch_size, bool(plan.remat), (estimate or [None])[0]
 
@@ -68,12 +68,12 @@ def measure_planner(workload: str = 'rnn', shape: Shape = SHAPE, fractions: Sequ
   trials = {}
   for size, remat in grid:
     plan = plan_micro_batches(shape.batch, micro_batch_size=size)._replace(remat=remat)
-    trials[size, remat] = timer.compile_trial(x, y, FIT, plan=plan)
-  seconds = dict(zip(trials, time_steps([run for _, run in trials.values()], rounds)))
+    trials[size, remat] = timer.planner.compilers.trial(plan, FIT, x, y, False)  # a trial that changes nothing
+  seconds = dict(zip(trials, time_steps([trial.run for trial in trials.values()], rounds)))
   plans = []
-  for (size, remat), (compiled, _) in sorted(trials.items(), key=lambda item: (item[0][1], -item[0][0])):
+  for (size, remat), trial in sorted(trials.items(), key=lambda item: (item[0][1], -item[0][0])):
     plans.append({'workload': workload, 'micro_batch_size': size, 'num_micro_batches': -(-shape.batch // size),
-                  'remat': remat, 'bytes': compiled_step_bytes(compiled),
+                  'remat': remat, 'bytes': trial.memory.total,
                   'step_s': seconds[size, remat],
                   'picked_at': [b['budget'] for b in budgets if b['pick'] == (size, remat)],
                   'memory_only_at': [b['budget'] for b in budgets if b['memory_only'] == (size, remat)]})

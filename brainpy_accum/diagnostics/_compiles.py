@@ -43,36 +43,21 @@ def count_compilations() -> Iterator[Callable[[], int]]:
 
 
 class Compilations:
-  """:attr:`compilations` of :class:`~brainpy_accum.AccumBPTT` (a mixin that keeps its own counts)."""
+  """XLA compilations of a trainer's train (``'fit'``) and evaluation (``'loss'``) steps, counted as fit calls
+  them (:attr:`~brainpy_accum.AccumBPTT.compilations`).
 
-  @property
-  def compilations(self) -> Dict[str, int]:
-    """XLA compilations so far of the train (``'fit'``) and evaluation (``'loss'``) steps run by :meth:`fit`.
+  Examples
+  --------
+  >>> from brainpy_accum.diagnostics._compiles import Compilations
+  >>> counts = Compilations()
+  >>> counts.note('fit', 2)
+  >>> counts.counts
+  {'fit': 2, 'loss': 0}
+  """
 
-    Counted from JAX's backend-compilation events while a step is called, so it
-    is exact with or without a mesh: one per distinct batch shape (and, with
-    ``accumulate_steps`` on a mesh, one more for the step that only collects).
+  def __init__(self):
+    self.counts: Dict[str, int] = {'fit': 0, 'loss': 0}
 
-    Examples
-    --------
-    >>> import brainpy as bp, brainpy.math as bm, numpy as np
-    >>> from brainpy_accum import AccumBPTT
-    >>> with bm.training_environment():
-    ...   model = bp.dnn.Dense(3, 2)
-    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2, progress_bar=False)
-    >>> trainer.fit([(np.ones((4, 5, 3), 'float32'), np.ones((4, 5, 2), 'float32'))] * 3, num_epoch=2)
-    ... # doctest: +ELLIPSIS
-    Train 0 epoch, ...
-    Train 1 epoch, ...
-    >>> trainer.compilations
-    {'fit': 1, 'loss': 0}
-    """
-    return dict(self._compilation_counts)
-
-  @property
-  def _compilation_counts(self) -> Dict[str, int]:
-    return self.__dict__.setdefault('_compilations', {'fit': 0, 'loss': 0})
-
-  def _note_compilations(self, phase: str, count: int) -> None:
-    """Add ``count`` XLA compilations to :attr:`compilations` (``phase`` is ``'fit'`` or ``'loss'``)."""
-    self._compilation_counts[phase] += count
+  def note(self, phase: str, count: int) -> None:
+    """Add ``count`` XLA compilations to ``phase`` (``'fit'`` or ``'loss'``)."""
+    self.counts[phase] += count

@@ -10,12 +10,17 @@ whose compiled step fits the budget. The memory of a compiled step is
 
 import math
 import re
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import brainpy.math as bm
+import jax
+import numpy as np
 
 from ..core._cut import is_int
 
 __all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes',
-           'largest_fitting', 'choose_micro_batch_size', 'StepMemory', 'memory_parts', 'step_memory']
+           'largest_fitting', 'choose_micro_batch_size', 'StepMemory', 'memory_parts', 'step_memory',
+           'argument_bytes', 'fixed_bytes_at_least']
 
 _UNITS = {'': 1, 'B': 1, 'KB': 10 ** 3, 'MB': 10 ** 6, 'GB': 10 ** 9, 'TB': 10 ** 12,
           'KIB': 2 ** 10, 'MIB': 2 ** 20, 'GIB': 2 ** 30, 'TIB': 2 ** 40}
@@ -72,6 +77,26 @@ def compiled_step_bytes(compiled) -> int:
   stats = compiled.memory_analysis()
   return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
           - stats.alias_size_in_bytes)
+
+
+def argument_bytes(variables: Iterable, inputs, targets) -> int:
+  """Bytes of what a train step takes: every Variable of ``variables`` (each once: parameters, optimizer and
+  model state, random keys) and the batch. A lower bound of the compiled step's memory, known without compiling."""
+  unique = {id(v): v for v in variables}
+  leaves = [v.value for v in unique.values()] + jax.tree_util.tree_leaves((inputs, targets))
+  return sum(int(getattr(x, 'nbytes', 0)) for x in leaves)  # typed random keys: the bytes of their data
+
+
+def fixed_bytes_at_least(variables: Iterable, params: Sequence, optimizer_variables: Iterable, inputs, targets) -> int:
+  """A lower bound of the fixed part of a train step's memory (:class:`StepMemory`'s ``fixed``), known without
+  compiling: its arguments (:func:`argument_bytes`) and the outputs that every update writes anew, the trained
+  ``params`` and the optimizer's state shaped like them (its moments). No argument is donated, so no output
+  shares an argument's buffer; whatever else the step writes only adds to the figure."""
+  kind = lambda var: (np.shape(var.value), bm.as_jax(var.value).dtype)
+  shapes = {kind(v) for v in params}
+  moments = [v for v in optimizer_variables if kind(v) in shapes]
+  written = {id(v): v for v in list(params) + moments}
+  return argument_bytes(variables, inputs, targets) + sum(int(bm.as_jax(v.value).nbytes) for v in written.values())
 
 
 def candidate_micro_batch_sizes(batch_size: int) -> List[int]:

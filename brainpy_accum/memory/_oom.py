@@ -8,17 +8,12 @@ to the same update.
 
 from typing import Callable
 
-import jax
 from tqdm import tqdm
 
 from ..core._cut import MicroBatchPlan, plan_micro_batches
+from ._device import is_out_of_memory
 
-__all__ = ['is_out_of_memory', 'finer_plan', 'run_with_retry']
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-  """Whether ``error`` is XLA's resource-exhausted error (device out of memory)."""
-  return isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error)
+__all__ = ['finer_plan', 'run_with_retry']
 
 
 def finer_plan(plan: MicroBatchPlan) -> MicroBatchPlan:

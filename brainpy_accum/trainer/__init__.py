@@ -1,10 +1,12 @@
 """``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation, and what it is made of.
 
-``_accum_bptt``: the class; ``_fit_loop``: the epochs of ``fit``; ``_step``: one batch's compiled step (on a
-mesh: ``_sharded``); ``_window``: accumulation across batches; ``_update``: clipping and the non-finite guard;
-``_plans``: plans, placement and compilation per batch size; ``_model_loss``: the model's predictions and
-loss; ``_coupled_loss``: the first-batch check that the loss is a mean over samples; ``_arguments``: argument
-checks and their errors; ``_report``: the metric history and report lines.
+``_accum_bptt``: the class, a thin trainer that composes the parts below; ``_fit_loop``: the epochs of ``fit``;
+``_compiled_steps``: the steps it runs, jitted or compiled ahead of time for the planner; ``_step``: one batch's
+step (sums, settled, clipped, guarded; on a mesh: ``_sharded``); ``_window``: accumulation across batches;
+``_model_loss``: the model's predictions and loss over bp.BPTT's own functions; ``_coupled_loss``: the
+first-batch check that the loss is a mean over samples; ``_target_axes``: targets' batch axes from evidence;
+``_arguments``: argument checks and their errors; ``_report``: the metric history and report lines. The memory
+planner is :mod:`brainpy_accum.memory`'s.
 """
 
 from ._accum_bptt import AccumBPTT as AccumBPTT

@@ -1,13 +1,12 @@
 """``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation over micro-batches inside one compiled step.
 
-The class is a thin client: the step of one batch is :mod:`~brainpy_accum.trainer._step` (built on the core's
-:func:`~brainpy_accum.core.accumulate`; on a mesh wrapped by :mod:`~brainpy_accum.trainer._sharded`), the
-two-pass mode :mod:`~brainpy_accum.core._two_pass`, the default mode's loss check
-:mod:`~brainpy_accum.trainer._coupled_loss`, the epochs :mod:`~brainpy_accum.trainer._fit_loop`, plans per
-batch size :mod:`~brainpy_accum.trainer._plans`, checkpoints :mod:`brainpy_accum.checkpoint`. This class hands
-each of them what it calls (the loop's :class:`~brainpy_accum.trainer._fit_loop.TrainerParts`, the planner's
-:class:`~brainpy_accum.trainer._plans.Compilers`, the checkpoint's window): none of them reads its private
-attributes.
+A thin trainer that composes its parts, each an object of its own with its collaborators passed in: the
+model's loss over bp.BPTT's own functions (:class:`~brainpy_accum.trainer._model_loss.ModelLoss`), the compiled
+steps (:class:`~brainpy_accum.trainer._compiled_steps.CompiledSteps`), the memory planner
+(:class:`~brainpy_accum.memory.Planner`, :attr:`AccumBPTT.planner`), the first-batch loss check
+(:class:`~brainpy_accum.trainer._coupled_loss.FirstBatchCheck`), the ``accumulate_steps`` window
+(:class:`~brainpy_accum.trainer._window.GradWindow`), and the epochs (:mod:`~brainpy_accum.trainer._fit_loop`,
+which gets :class:`~brainpy_accum.trainer._fit_loop.TrainerParts`). None of them reads the trainer's attributes.
 """
 
 import contextlib
@@ -17,44 +16,35 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Uni
 
 import brainpy as bp
 import brainpy.math as bm
-import brainstate
-import brainstate.environ
 import jax
-import jax.numpy as jnp
-from brainpy import tools
 from jax.sharding import Mesh, PartitionSpec
-from brainpy.running import constants as c
 
 from ..checkpoint._save_load import load as load_checkpoint
 from ..checkpoint._save_load import save as save_checkpoint
-from ..core._combine import same_type
-from ..core._cut import MicroBatchPlan, as_int, plan_micro_batches
-from ..core._metrics import WHOLE_METRICS, MetricPlan, check_aux_reduction, metric_plan_of
-from ..core._mesh import auto_axes, check_mesh, place, random_states
-from ..core._states import values_restored, whole_batch_variables
-from ..core._shapes import traced_shapes
-from ..core._two_pass import Devices, two_pass_sums
-from ..diagnostics._compiles import QUICK_COMPILE, Compilations
-from ..memory._budget import StepMemory, compiled_step_bytes, parse_memory, step_memory
+from ..core._batch import BatchLayout, batch_layout
+from ..core._cut import MicroBatchPlan, as_int
+from ..core._mesh import auto_axes, check_mesh, mesh_size, place, random_states
+from ..core._states import batched_variables
+from ..diagnostics._compiles import Compilations
+from ..memory._budget import argument_bytes, compiled_step_bytes, fixed_bytes_at_least
 from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
-from ..memory._live import temp_bytes_at_least
-from ._arguments import (check_accumulation_args, check_remat, check_update_args, check_whole_batch_loss,
-                         warn_batch_statistics)
-from ._coupled_loss import MEANS_OVER_ELEMENTS, check_first_batch
+from ..memory._device import Budget
+from ..memory._plan_key import plan_key
+from ..memory._planner import PlannedModel, Planner
+from ._arguments import check_trainer_args, warn_batch_statistics
+from ._compiled_steps import CompiledSteps, StepOptions, StepParts, fit_args
+from ._coupled_loss import CheckParts, FirstBatchCheck
 from ._fit_loop import TrainerParts
 from ._fit_loop import fit as run_fit
-from ._model_loss import ModelLoss
-from ._plans import Compilers, PlannedStep, Planning
-from ._sharded import on_mesh
-from ._step import Settled, batch_sums, micro_step, same, settle
-from ._update import clip_by_global_norm, guarded_update
+from ._model_loss import BPTTFunctions, ModelLoss
+from ._sharded import split_variables
+from ._target_axes import TargetAxes
 from ._window import GradWindow, check_accumulate_steps
 
 __all__ = ['AccumBPTT']
 
 
-
-class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
+class AccumBPTT(bp.BPTT):
   """Back-propagation through time with gradient accumulation over micro-batches.
 
   A drop-in replacement for :class:`brainpy.BPTT`: the same constructor
@@ -256,67 +246,66 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
       as_int, (num_micro_batch, micro_batch_size, target_batch_axis, remat))
     self.mesh_axis = check_mesh(mesh, mesh_axis)
     folder = cache_folder(cache)  # checks the argument before anything changes
-    if remat == 'auto' and mesh is not None:
-      raise ValueError("remat='auto' is not supported with a mesh (its trial steps run unsharded): choose remat=True "
-                       "or False with mesh=..., or drop the mesh.")
-    check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps)
-    if num_micro_batch is None and micro_batch_size is None:
-      num_micro_batch = 1  # no option: bp.BPTT's whole-batch step
-    check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
-    check_remat(remat, num_micro_batch, memory_budget)
-    check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite)
+    num_micro_batch, self.aux_reduction = check_trainer_args(
+      num_micro_batch=num_micro_batch, micro_batch_size=micro_batch_size, grad_reduction=grad_reduction,
+      target_batch_axis=target_batch_axis, memory_budget=memory_budget, remat=remat, mesh=mesh,
+      whole_batch_loss=whole_batch_loss, loss_weight_fn=loss_weight_fn, clip_grad_norm=clip_grad_norm,
+      skip_nonfinite=skip_nonfinite, accumulate_steps=accumulate_steps, aux_reduction=aux_reduction,
+      loss_has_aux=kwargs.get('loss_has_aux', False))
     self.accumulate_steps = check_accumulate_steps(accumulate_steps)
-    self.aux_reduction = check_aux_reduction(aux_reduction)
-    if self.aux_reduction and not kwargs.get('loss_has_aux', False):
-      raise ValueError(f'{aux_reduction=} declares how metrics combine, but there are none without '
-                       f'loss_has_aux=True (loss_fun returning (loss, dict of metrics)). Pass loss_has_aux=True or '
-                       f'drop aux_reduction.')
+    budget = Budget(memory_budget) if num_micro_batch == 'auto' else None  # a device budget: is there a device?
     super().__init__(target, loss_fun, optimizer=optimizer, **kwargs)
-    self._metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
-    self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
     self.num_micro_batch, self.micro_batch_size, self.grad_reduction = num_micro_batch, micro_batch_size, grad_reduction
     self.target_batch_axis, self.remat, self.loss_weight_fn = target_batch_axis, remat, loss_weight_fn
-    self.memory_budget = None if memory_budget is None else parse_memory(memory_budget)
-    self.memory_plans: Dict[int, Tuple[MicroBatchPlan, int]] = {}
+    self.memory_budget = memory_budget if budget is None or budget.from_device else budget.bytes()
     self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
-    self.skip_nonfinite, self.whole_batch_loss, self._loss_checked = skip_nonfinite, whole_batch_loss, whole_batch_loss
-    self._check_running: Optional[Callable[..., None]] = None  # the first-batch check's finish(), once started
+    self.skip_nonfinite, self.whole_batch_loss = skip_nonfinite, whole_batch_loss
     self.mesh = None if mesh is None else auto_axes(mesh)
     self.cache_folder = folder
-    if self.cache_folder is not None:
-      use_compilation_cache(self.cache_folder)
-    self._plan_cache = PlanCache(self.cache_folder) if self.cache_folder and num_micro_batch == 'auto' else None
-    self._init_steps()
+    if folder is not None:
+      use_compilation_cache(folder)
+    self._compiles = Compilations()
+    self._build_parts(budget, PlanCache(folder) if folder and num_micro_batch == 'auto' else None)
     warn_batch_statistics(self.target)
 
-  def _init_steps(self) -> None:
-    """The counters, the ``accumulate_steps`` window and the jitted steps besides bp.BPTT's train step."""
-    self.skipped_steps = bm.Variable(jnp.zeros((), jnp.int32))
-    copies = None if self.mesh is None else self.num_devices
-    self._window = GradWindow(self.target.train_vars().unique(), copies) if self._needs_window else None
-    self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
-    self.trace_counts = {'fit': 0, 'loss': 0}
-    self._jit_steps()
-
-  def _jit_steps(self) -> None:
-    """Fresh jitted steps (bp.BPTT's train step too): they trace again, with the current plans."""
-    self._jit_step_func_fit = bm.jit(self._step_func_fit, static_argnums=(0,))
-    self._jit_step_func_eval = bm.jit(self._step_func_eval, static_argnums=(0,))
-    self._jit_step_func_collect = bm.jit(self._step_func_collect, static_argnums=(0,))
-    self._jit_step_func_close = bm.jit(self._step_func_close, static_argnums=(0,))
-    # (kind, batch size) -> the planner's compiled step, which fit runs: 'fit', or 'close' (a streamed batch's
-    # last chunk, whose step is the one the planner compiles for a chunk)
-    self._kept_steps: Dict[Tuple[str, int], Any] = {}
-
-  @property
-  def _needs_window(self) -> bool:
-    """Running sums between steps: for ``accumulate_steps``, or for streaming batches larger than the device."""
-    return self.accumulate_steps != 1 or self._may_stream
-
-  @property
-  def _may_stream(self) -> bool:
-    return self.num_micro_batch == 'auto' and self.memory_budget is not None and self.mesh is None \
-        and not self.whole_batch_loss
+  def _build_parts(self, budget: Optional[Budget], cache: Optional[PlanCache]) -> None:
+    """The parts the trainer is made of, each handed what it calls (see the module's docstring)."""
+    self._model = ModelLoss(
+      BPTTFunctions(self._predict, self._step_func_predict, lambda xs: self._get_input_time_step(xs=xs),
+                    lambda: self.i0, self._step_func_loss, self._loss_func),
+      batch_first=isinstance(self.target.mode, bm.BatchingMode) and self.data_first_axis == 'B',
+      loss_has_aux=self.loss_has_aux, grad_reduction=self.grad_reduction, loss_weight_fn=self.loss_weight_fn,
+      remat=self.remat, jit_predict=self.jit['predict'])
+    self._target_axes = TargetAxes(self.target, self._model.forward, self._model.loss_of, self._quiet)
+    self.skipped_steps = bm.Variable(jax.numpy.zeros((), jax.numpy.int32))
+    streams = self.num_micro_batch == 'auto' and self.mesh is None and not self.whole_batch_loss
+    devices = 1 if self.mesh is None else mesh_size(self.mesh, self.mesh_axis)  # a batch is split over them
+    needs_window = self.accumulate_steps != 1 or streams  # sums between steps
+    self._window = GradWindow(self.target.train_vars().unique(), None if self.mesh is None else devices) \
+        if needs_window else None
+    model = self._model
+    self._steps = CompiledSteps(
+      StepParts(self.target, self.optimizer, self._check_batch, self.plan_for, model.loss_and_aux, model.forward,
+                model.loss_of, model.weigh, model.tracing, self._quiet, self._window, self.skipped_steps, self.jit,
+                self._fixed_bytes, self._compiles.note),
+      StepOptions(self.grad_reduction, self.skip_nonfinite, self.clip_grad_norm, self.accumulate_steps,
+                  self.whole_batch_loss, self.loss_has_aux, self.aux_reduction, self.mesh, self.mesh_axis,
+                  devices))
+    self.trace_counts = self._steps.trace_counts
+    self._check = FirstBatchCheck(
+      self.target, CheckParts(self._check_batch, self.plan_for, self._known_plan, self._argument_bytes,
+                              lambda: self.planner.budget, self._steps.check_flat_states, self._quiet,
+                              model.forward, model.loss_of, model.weigh, self._variables),
+      loss_func=self._loss_func, jit=bool(self.jit['fit']), on_mesh=self.mesh is not None,
+      reduction=self.grad_reduction, declared=self.aux_reduction, has_metrics=self.loss_has_aux,
+      weighted=self.loss_weight_fn is not None, done=self.whole_batch_loss)
+    self.planner = Planner(
+      PlannedModel(self._check_batch, self._variables, self.target.reset,
+                   functools.partial(batched_variables, self.target), self._fixed_bytes),
+      self._steps.compilers(self._check.wait), num_micro_batch=self.num_micro_batch,
+      micro_batch_size=self.micro_batch_size, budget=budget, remat=self.remat, devices=devices,
+      mesh_axis=None if self.mesh is None else self.mesh_axis, streams=streams,
+      whole_batch_loss=self.whole_batch_loss, cache=cache, key_of=self._plan_key)
 
   def __repr__(self):
     return (f'{self.__class__.__name__}(target={self.target}, num_micro_batch={self.num_micro_batch}, '
@@ -385,79 +374,15 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     An ignored signal stays ignored. A second Ctrl-C stops at once, without a checkpoint.
     """
     parts = TrainerParts(check_batch=self._check_batch, place_on_mesh=self.place_on_mesh,
-                         check_loss_once=self._check_loss_once,
-                         replan_finer=functools.partial(self._replan_finer, rebuild=self._jit_steps),
-                         note_compilations=self._note_compilations, step=self._step_of,
-                         without_time_step_bars=self._without_time_step_bars, window=self._window,
-                         metric_plan=lambda: self._metric_rules, plan_cached=self._plan_cached)
+                         check_loss_once=self._check, replan_finer=self._replan_finer,
+                         note_compilations=self._compiles.note, step=self._steps.step, without_time_step_bars=self._quiet,
+                         window=self._window, metric_plan=lambda: self._steps.metric_rules,
+                         plan_cached=self.planner.is_cached, plan_chunk=self.planner.plan_chunk,
+                         whole_batch_loss=self._step_func_loss, keep_history=self._keep_history)
     run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
 
-  def _check_loss_once(self, shared_args, inputs, targets, before_planning: bool = False, streamed: bool = False
-                       ) -> Optional[Callable[[], Optional[Callable[..., None]]]]:
-    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once).
-
-    A model that fails on a micro-batch raises now (the error that names the fix). Returns ``start()``, or
-    ``None`` where there is nothing to check: ``start()`` checks the loss, on the values the Variables hold
-    then (fit calls it once the first step is dispatched, so that the check's tracing overlaps the step's run;
-    nothing the check computes depends on those values), and returns ``finish()`` for fit to call after the
-    first step when the check runs beside it, else ``None``.
-    ``before_planning`` (``num_micro_batch='auto'``, a batch not planned yet): cut in two, so that it can start
-    before planning and compile beside the planner's search (its cut does not wait for the plan, and is the same
-    whether the plan is searched or read from the plan cache); only where it can (jit, no mesh, the batch's data
-    well within the budget), else ``None`` and fit checks the planned cut, beside the first step as usual.
-    ``streamed``: ``inputs, targets`` are samples of a streamed batch, whose chunks combine like micro-batches:
-    cut in two where their plan would not cut them.
-    """
-    if self._loss_checked:
-      return None
-    layout = self._check_batch(inputs, targets)
-    if before_planning:
-      if (layout.batch_size < 2 or self.mesh is not None or not self.jit[c.FIT_PHASE]
-          or layout.batch_size in self.memory_plans or 2 * self._argument_bytes(inputs, targets) > self.memory_budget):
-        return None
-      plan = plan_micro_batches(layout.batch_size, num_micro_batch=2)
-    elif streamed:
-      plan = self._finer_plans.get(layout.batch_size) or self.memory_plans.get(layout.batch_size, (None,))[0]
-      if plan is None or plan.num_micro_batches == 1:
-        plan = plan_micro_batches(layout.batch_size, num_micro_batch=2)
-    else:
-      plan = self.plan_for(layout.batch_size)
-    self._loss_checked = True
-    if plan.num_micro_batches > 1:  # a model that fails on a micro-batch: the error that names the fix, first
-      with whole_batch_variables(self.target, layout.batch_size) as states, values_restored([var for var, _ in states]):
-        self._check_flat_states(shared_args, (inputs, targets), jax.tree_util.tree_leaves(
-          (layout.input_axes, layout.target_axes)), plan, states, layout.batch_size)
-    if self._loss_func in MEANS_OVER_ELEMENTS and not self.loss_has_aux and self.loss_weight_fn is None \
-        and self.grad_reduction == 'mean':
-      return None  # a mean over every element is a mean over samples: nothing to check (see _coupled_loss)
-
-    def start() -> Optional[Callable[..., None]]:
-      variables = list(self.vars().unique().values()) + random_states(self.target)
-      with self._without_time_step_bars():
-        finish = check_first_batch(self.target, shared_args, inputs, targets, check_batch=self._check_batch,
-                                   plan=plan, forward=self._forward, loss_of=self._loss_of,
-                                   weigh=self._weigh, variables=variables, jit=self.jit[c.FIT_PHASE],
-                                   reduction=self.grad_reduction, declared=self.aux_reduction,
-                                   has_metrics=self.loss_has_aux)
-      self._check_running = finish  # the planner waits for it before timing trial steps
-      return finish
-
-    return start
-
-  # ------------------------------------------------------------------ placement, plans, checkpoints
-
-  def place_on_mesh(self, batch_size: Optional[int] = None) -> None:
-    """Put the trainer's Variables on the mesh: model states split along their batch axis, the
-    ``accumulate_steps`` window one row per device, everything else (parameters, optimizer state,
-    counters, random keys) replicated. :meth:`fit` calls it before every step; without a mesh it does nothing.
-    """
-    if self.mesh is None:
-      return
-    split = self._split_variables(self._window, batch_size)
-    specs = {id(var): spec for var, spec in split}
-    variables = list(self.vars().unique().values()) + [var for var, _ in split] + random_states(self.target)
-    place([(var, specs.get(id(var), PartitionSpec())) for var in variables], self.mesh)
+  # ------------------------------------------------------------------ plans (the planner's answers)
 
   def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None, *,
                   step_time: Optional[Callable[[Sequence[MicroBatchPlan]], Sequence[float]]] = None
@@ -497,61 +422,88 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     >>> trainer.memory_plans[32][1] <= 64 * 1024
     True
     """
-    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    return self._plan_memory(inputs, targets, shared_args, step_time, self._compilers(), self._may_stream)
+    return self.planner.plan(inputs, targets, fit_args(shared_args), step_time=step_time)
 
-  def _compilers(self) -> Compilers:
-    return Compilers(self._probe_memory, self._planned_step, self._keepable, self._bytes_at_least)
+  def plan_for(self, batch_size: int) -> MicroBatchPlan:
+    """The micro-batches that a batch of ``batch_size`` samples is cut into.
 
-  def _plan_streamed_chunk(self, inputs, targets, shared_args: Optional[Dict] = None) -> MicroBatchPlan:
-    """Plan a streamed batch's chunk: the shorter last one has a plan of its own, for its step through the window
-    (the step fit runs for it, and keeps from planning)."""
-    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    return self._plan_memory(inputs, targets, shared_args, None, self._compilers(), may_stream=False, via_window=True)
+    With ``num_micro_batch='auto'`` the batch size must have been planned
+    (:meth:`plan_memory`, which :meth:`fit` calls on each new batch size).
 
-  def _probe_memory(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
-    """The planner's quick probe: the step's memory, compiled without optimising its code."""
-    return step_memory(self.compile_step(inputs, targets, shared_args, plan=plan, via_window=via_window, quick=True))
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).plan_for(10).sizes
+    (3, 3, 3, 1)
+    """
+    return self.planner.plan_for(batch_size)
 
-  def _bytes_at_least(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
-    """A lower bound of the step's memory for ``plan``, from its trace alone (no compilation): the fixed bytes
-    known by arithmetic and the temporaries that its jaxpr's loops must hold (:mod:`~brainpy_accum.memory._live`).
-    0 on a mesh, where the figures are per device."""
-    if self.mesh is not None:
-      return 0
-    with self._step_for(plan, via_window=via_window) as step:
-      jaxpr = step.stateful_fun.get_jaxpr(shared_args, inputs, targets)
-    return self._fixed_bytes_at_least(inputs, targets) + temp_bytes_at_least(jaxpr)
+  def num_micro_batch_for(self, batch_size: int) -> int:
+    """How many micro-batches a batch of ``batch_size`` samples runs in.
 
-  def _keepable(self, via_window: bool) -> bool:
-    """Whether fit can run the planner's compiled step itself, jitted, without a mesh or an ``accumulate_steps``
-    window: the train step, or through the window (``via_window``) the step of a streamed batch's last chunk."""
-    return self.accumulate_steps == 1 and self.mesh is None and bool(self.jit[c.FIT_PHASE])
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> AccumBPTT(model, 'mean_squared_error', micro_batch_size=4).num_micro_batch_for(10)
+    3
+    """
+    return self.plan_for(batch_size).num_micro_batches
 
-  def _planned_step(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> PlannedStep:
-    """The train step compiled for ``plan`` as fit runs it; its ``keep()`` makes fit run this executable for the
-    batch size, so that the planner's compilation is the training's (no second one)."""
-    batch_size = self._check_batch(inputs, targets).batch_size
-    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    step = None
+  def describe_batch(self, batch_size: int) -> str:
+    """How a batch of ``batch_size`` samples is cut, as the report line shows it.
 
-    def traced(shared_args, inputs, targets):
-      if any(kept is step for kept in self._kept_steps.values()):  # a retrace of a kept step counts as fit's
-        self.trace_counts['fit'] += 1
-      return self._train_step(shared_args, inputs, targets, plan=plan, via_window=via_window)
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(2, 2)
+    >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).describe_batch(10)
+    'batch 10 = 3 x 3 + 1'
+    """
+    return self.planner.describe(batch_size)
 
-    step = bm.jit(traced, static_argnums=(0,))
-    with self._without_time_step_bars(), self._tracing(plan), brainstate.environ.context(fit=True):
-      compiled = step.compile(shared_args, inputs, targets)  # the jit's own call runs this executable
-      values = step.stateful_fun.get_state_trace(shared_args, inputs, targets).get_state_values()
+  @property
+  def memory_plans(self) -> Dict[int, Tuple[MicroBatchPlan, int]]:
+    """With ``num_micro_batch='auto'``: ``{batch_size: (plan, bytes)}`` of every batch (or streamed chunk) size
+    planned, the plan and its train step's memory by XLA's analysis (:attr:`planner`'s)."""
+    return self.planner.memory_plans
 
-    def keep():
-      if self._keepable(via_window):
-        self._kept_steps['close' if via_window else 'fit', batch_size] = step
-        self.trace_counts['fit'] += 1  # its trace and compilation are fit's: fit will not repeat them
-        self._note_compilations(c.FIT_PHASE, 1)
+  @property
+  def stream_chunks(self) -> Dict[int, int]:
+    """``{batch_size: chunk_size}`` of the batch sizes streamed from the host (see ``memory_budget``); empty when
+    every batch fits with its data (:attr:`planner`'s)."""
+    return self.planner.stream_chunks
 
-    return PlannedStep(step_memory(compiled), lambda: jax.block_until_ready(compiled(values, inputs, targets)), keep)
+  @property
+  def compilations(self) -> Dict[str, int]:
+    """XLA compilations so far of the train (``'fit'``) and evaluation (``'loss'``) steps run by :meth:`fit`.
+
+    Counted from JAX's backend-compilation events while a step is called, so it
+    is exact with or without a mesh: one per distinct batch shape (and, with
+    ``accumulate_steps`` on a mesh, one more for the step that only collects).
+
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(3, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2, progress_bar=False)
+    >>> trainer.fit([(np.ones((4, 5, 3), 'float32'), np.ones((4, 5, 2), 'float32'))] * 3, num_epoch=2)
+    ... # doctest: +ELLIPSIS
+    Train 0 epoch, ...
+    Train 1 epoch, ...
+    >>> trainer.compilations
+    {'fit': 1, 'loss': 0}
+    """
+    return dict(self._compiles.counts)
 
   def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
     """Memory of the train step compiled ahead of time for ``plan`` (arguments + outputs + temporaries - aliases).
@@ -593,40 +545,20 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     >>> compiled.memory_analysis().temp_size_in_bytes > 0
     True
     """
-    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    with self._step_for(plan, update=update, via_window=via_window) as step:
-      return step.lower(shared_args, inputs, targets).compile(compiler_options=QUICK_COMPILE if quick else None)
+    return self._steps.compile(inputs, targets, shared_args, plan=plan, update=update, via_window=via_window,
+                               quick=quick)
 
-  def compile_trial(self, inputs, targets, shared_args: Optional[Dict] = None, *, plan: MicroBatchPlan):
-    """``(compiled, run)``: the train step compiled for ``plan``, and ``run()``, a trial of it that changes nothing.
-
-    ``run()`` calls the executable on the current Variable values and drops its new values, so that nothing
-    (parameters, optimizer, random keys) changes: the trial steps that ``remat='auto'`` times, for timing plans
-    outside :meth:`plan_memory` (as ``python -m brainpy_accum.bench.planner`` does).
+  def place_on_mesh(self, batch_size: Optional[int] = None) -> None:
+    """Put the trainer's Variables on the mesh: model states split along their batch axis, the
+    ``accumulate_steps`` window one row per device, everything else (parameters, optimizer state,
+    counters, random keys) replicated. :meth:`fit` calls it before every step; without a mesh it does nothing.
     """
-    shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-    with self._step_for(plan) as step:
-      values = step.stateful_fun.get_state_trace(shared_args, inputs, targets, compile_if_miss=True).get_state_values()
-      compiled = step.jitted_fun.lower(values, shared_args, inputs, targets).compile()
-    return compiled, lambda: jax.block_until_ready(compiled(values, inputs, targets))
-
-  @contextlib.contextmanager
-  def _step_for(self, plan: Optional[MicroBatchPlan], update: bool = True, via_window: bool = False):
-    """The train step for ``plan``, jitted on its own (not fit's), to trace, lower or compile inside the
-    ``with``: the context its trace needs (no time-step bars, the plan's tracing)."""
-    step = bm.jit(functools.partial(self._train_step, plan=plan, update=update, via_window=via_window),
-                  static_argnums=(0,))
-    with self._without_time_step_bars(), self._tracing(plan):
-      yield step
-
-  @contextlib.contextmanager
-  def _without_time_step_bars(self):
-    """Trace steps without bp.BPTT's per-time-step progress bars (host callbacks inside the compiled step)."""
-    shown, self.progress_bar = self.progress_bar, False
-    try:
-      yield
-    finally:
-      self.progress_bar = shown
+    if self.mesh is None:
+      return
+    split = split_variables(self.target, self._window, self.mesh_axis, batch_size)
+    specs = {id(var): spec for var, spec in split}
+    variables = list(self.vars().unique().values()) + [var for var, _ in split] + random_states(self.target)
+    place([(var, specs.get(id(var), PartitionSpec())) for var in variables], self.mesh)
 
   def save_checkpoint(self, path: str) -> str:
     """Save parameters, model state, optimizer state (learning-rate step included), accumulation counters and
@@ -662,136 +594,88 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     """
     load_checkpoint(self, path, self._window)
 
-  # ------------------------------------------------------------------ compiled steps
+  # ------------------------------------------------------------------ bp.BPTT's hooks
 
-  def _step_of(self, kind: str):
-    """The compiled step that the fit loop runs: ``'loss'``, ``'fit'``, ``'collect'`` or ``'close'``."""
-    steps = {'loss': self.f_loss, 'fit': self.f_train, 'collect': self._f_collect, 'close': self._f_close}
-    if any(kept == kind for kept, _ in self._kept_steps):
-      return functools.partial(self._kept_or_jitted, kind, steps[kind])
-    return steps[kind]
-
-  def _kept_or_jitted(self, kind: str, jitted, shared_args, inputs, targets):
-    """The ``kind`` step: the planner's compiled one for this batch size if it kept one, else ``jitted``."""
-    step = self._kept_steps.get((kind, self._check_batch(inputs, targets).batch_size), jitted)
-    return step(shared_args, inputs, targets)
+  @property
+  def f_train(self):
+    """The micro-batched train step (jitted unless ``jit`` says otherwise)."""
+    return self._steps.jitted('fit')
 
   @property
   def f_loss(self):
     """The micro-batched evaluation step (jitted unless ``jit`` says otherwise)."""
-    return self._jit_step_func_eval if self.jit[c.LOSS_PHASE] else self._step_func_eval
+    return self._steps.jitted('loss')
 
-  @property
-  def _f_collect(self):
-    """The train step that adds a batch to the ``accumulate_steps`` window without updating."""
-    return self._jit_step_func_collect if self.jit[c.FIT_PHASE] else self._step_func_collect
+  def _fun_predict(self, indices, *inputs, shared_args=None):
+    plain = super()._fun_predict
+    if self._memory_efficient:
+      return plain(indices, *inputs, shared_args=shared_args)
+    return self._model.over_time(plain, indices, inputs, shared_args)
 
-  def _step_func_fit(self, shared_args, inputs, targets):
-    self.trace_counts['fit'] += 1
-    return self._train_step(shared_args, inputs, targets)
+  # ------------------------------------------------------------------ what the parts are handed
 
-  @property
-  def _f_close(self):
-    """The train step that adds a batch's last streamed chunk to the window and updates from the window."""
-    return self._jit_step_func_close if self.jit[c.FIT_PHASE] else self._step_func_close
+  def _check_batch(self, inputs: Any, targets: Any) -> BatchLayout:
+    """Check one batch and return its layout; raises ``ValueError`` before anything changes.
 
-  def _step_func_collect(self, shared_args, inputs, targets):
-    self.trace_counts['fit'] += 1
-    return self._train_step(shared_args, inputs, targets, update=False, via_window=True)
+    Examples
+    --------
+    >>> import brainpy as bp, brainpy.math as bm, numpy as np
+    >>> from brainpy_accum import AccumBPTT
+    >>> with bm.training_environment():
+    ...   model = bp.dnn.Dense(3, 2)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
+    >>> trainer._check_batch(np.ones((8, 5, 3)), np.ones((8, 5, 2))).batch_size
+    8
+    >>> trainer._check_batch(np.ones((8, 5, 3)), np.ones((6, 5, 2)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: targets has shape (6, 5, 2), but the inputs hold batch_size=8 samples ...
+    """
+    layout = batch_layout(inputs, targets, self.data_first_axis, self.target_batch_axis,
+                          resolve=functools.partial(self._target_axes, inputs, targets))
+    self.planner.share_size(layout.batch_size)
+    return layout
 
-  def _step_func_close(self, shared_args, inputs, targets):
-    self.trace_counts['fit'] += 1
-    return self._train_step(shared_args, inputs, targets, via_window=True)
+  def _variables(self) -> list:
+    """Every Variable a step reads or writes, random states included."""
+    return list(self.vars().unique().values()) + random_states(self.target)
 
-  def _step_func_eval(self, shared_args, inputs, targets):
-    self.trace_counts['loss'] += 1
-    done = self._run_batch(shared_args, inputs, targets, with_grads=False)
-    return (done.loss, done.aux) if self.loss_has_aux else done.loss
+  def _argument_bytes(self, inputs, targets) -> int:
+    return argument_bytes(self._variables(), inputs, targets)
 
-  def _train_step(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True,
-                  via_window: bool = False):
-    via_window = via_window or self.accumulate_steps != 1
-    if via_window and update is True and self.mesh is None:  # through the window, the window's flag says whether
-      update = self._window.closes.value  # it closes: one compiled step for both (on a mesh, the step that only
-      # collects does without the devices' all-reduce, so it is a program of its own)
-    done = self._run_batch(shared_args, inputs, targets, with_grads=True, update=update, plan=plan,
-                           via_window=via_window)
-    if done.finite is not None:
-      self.skipped_steps.value += jnp.where(done.finite, 0, 1).astype(self.skipped_steps.dtype)
-    if done.grads is not None:
-      params = self.target.train_vars().unique()
-      grads = {k: same_type(g, params[k].value) for k, g in done.grads.items()}
-      if self.clip_grad_norm is not None:
-        grads = clip_by_global_norm(grads, self.clip_grad_norm)
-      guarded_update(self.optimizer, dict(params), grads, done.apply)
-    return (done.loss, done.aux) if self.loss_has_aux else (done.loss,)
+  def _fixed_bytes(self, inputs, targets) -> int:
+    return fixed_bytes_at_least(self._variables(), list(self.target.train_vars().unique().values()),
+                                self.optimizer.vars().unique().values(), inputs, targets)
 
-  def _run_batch(self, shared_args, inputs, targets, with_grads: bool, update: bool = True,
-                 plan: Optional[MicroBatchPlan] = None, via_window: bool = False) -> Settled:
-    """One batch through :mod:`~brainpy_accum.trainer._step`: this device's sums, then settled (on a mesh: in
-    ``shard_map``)."""
-    layout = self._check_batch(inputs, targets)
-    plan = plan or self.plan_for(layout.batch_size)
-    window = self._window if with_grads and via_window else None
-    alone = self.mesh is None and window is None
-    params = self.target.train_vars().unique() if with_grads else None
-    micro_fn = micro_step(self._loss_and_aux, shared_args, params, self._weigh)
-    two_passes = self._two_passes(shared_args, targets, params) if self.whole_batch_loss else None
-    axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
-    one_piece = alone and plan.num_micro_batches == 1
-    with whole_batch_variables(self.target, layout.batch_size, whole=not one_piece) as states, \
-         self._tracing(plan):  # remat='auto': this plan's remat in the traced time loop
-      if not one_piece:
-        self._check_flat_states(shared_args, (inputs, targets), axes, plan, states, layout.batch_size)
-      whole = one_piece or (two_passes is not None and (plan.num_micro_batches > 1 or not alone))
-      metrics = WHOLE_METRICS if whole else self._metric_plan(shared_args, (inputs, targets), axes, plan, states)
-      sums_of = functools.partial(batch_sums, micro_fn, axes=axes, plan=plan, states=states, params=params,
-                                  alone=alone, two_passes=two_passes, metrics=metrics)
-      finish = functools.partial(settle, reduction=self.grad_reduction, skip_nonfinite=self.skip_nonfinite and
-                                 with_grads, window=window, update=update, metrics=metrics)
-      if self.mesh is None:
-        return finish(sums_of((inputs, targets)), same)
-      specs = dict(self._split_variables(window, layout.batch_size))
-      return on_mesh(sums_of, finish, self.mesh, self.mesh_axis, (inputs, targets), axes, specs,
-                     random_states(self.target))
+  def _known_plan(self, batch_size: int) -> Optional[MicroBatchPlan]:
+    return self.planner.known_plan(batch_size)
 
-  def _check_flat_states(self, shared_args, args, axes, plan: MicroBatchPlan, states, batch_size: int) -> None:
-    """One-dimensional ``(batch_size,)`` states without a ``batch_axis`` are never cut (a per-neuron statistic
-    may have the batch's size); if the model fails on a micro-batch with them, say which and how to fix it,
-    instead of JAX's shape error from inside the model (traced only: nothing runs)."""
-    flat = [name for name, var in self.target.vars().unique().items()
-            if not isinstance(var, (bm.TrainVar, brainstate.random.RandomState))
-            and getattr(var, 'batch_axis', None) is None and jnp.shape(var.value) == (batch_size,)]
-    if not flat or batch_size < 2:
-      return
+  def _replan_finer(self, batch_size: int) -> str:
+    """After the device ran out of memory: the planner's finer cut of ``batch_size``; the steps trace anew."""
+    change = self.planner.finer(batch_size)
+    self._steps.rebuild()
+    return change
+
+  def _plan_key(self, shared_args, inputs, targets, via_window: bool, budget: int) -> dict:
+    """The plan cache's key of a batch: the model, the loss, the options and the batch (:mod:`~brainpy_accum.memory._plan_key`)."""
+    options = {'memory_budget': budget, 'remat': self.remat, 'grad_reduction': self.grad_reduction,
+               'whole_batch_loss': self.whole_batch_loss, 'accumulate_steps': repr(self.accumulate_steps),
+               'clip_grad_norm': self.clip_grad_norm, 'skip_nonfinite': self.skip_nonfinite,
+               'data_first_axis': self.data_first_axis, 'target_batch_axis': self.target_batch_axis,
+               'loss_has_aux': self.loss_has_aux, 'aux_reduction': sorted(self.aux_reduction.items()),
+               'optimizer': type(self.optimizer).__qualname__, 'jit': repr(dict(self.jit)), 'via_window': via_window}
+    return plan_key(self.target, self.vars().unique().values(), (self._loss_func, self.loss_weight_fn), options,
+                    shared_args, inputs, targets)
+
+  def _keep_history(self, report_train, detailed_train, report_test, detailed_test) -> None:
+    """The metric history the fit loop recorded, where bp.BPTT keeps it (its ``get_hist_metric`` reads it)."""
+    self._report_train_metrics, self._detailed_train_metrics = report_train, detailed_train
+    self._report_test_metrics, self._detailed_test_metrics = report_test, detailed_test
+
+  @contextlib.contextmanager
+  def _quiet(self):
+    """Trace steps without bp.BPTT's per-time-step progress bars (host callbacks inside the compiled step)."""
+    shown, self.progress_bar = self.progress_bar, False
     try:
-      traced_shapes(self._forward(shared_args), args, axes, states, (plan.micro_batch_size,))
-    except Exception as error:
-      raise ValueError(f'Model state {", ".join(flat)} of shape ({batch_size},) has no batch_axis, so micro-batches '
-                       f'do not cut it (one-dimensional states are never cut: a per-neuron statistic may have the '
-                       f'batch\'s size), and the model fails on a micro-batch of {plan.micro_batch_size} samples with '
-                       f'it ({type(error).__name__}: {str(error)[:160]}). If it holds one value per sample, declare '
-                       f'it with batch_axis=0 (bm.Variable(..., batch_axis=0)).') from None
-
-  def _metric_plan(self, shared_args, args, axes, plan: MicroBatchPlan, states) -> MetricPlan:
-    """How each metric of ``loss_fun`` combines over ``plan``'s micro-batches (:mod:`~brainpy_accum.core._metrics`):
-    from the metrics' shapes at two micro-batch sizes, traced only (nothing runs, nothing changes)."""
-    if not self.loss_has_aux:
-      return None
-    key = (plan[:4], tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in
-                           jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, bm.Array))))
-    if key not in self._metric_plans:  # the train and evaluation steps of a batch shape trace it once
-      self._metric_plans[key] = metric_plan_of(
-        lambda micro_args, n: self._loss_and_aux(shared_args, *micro_args)[1], args, axes, plan, states,
-        self.aux_reduction, self.grad_reduction)
-    self._metric_rules = self._metric_plans[key]
-    return self._metric_rules
-
-  def _two_passes(self, shared_args, targets, params):
-    """``whole_batch_loss=True``: the core's two passes (:mod:`~brainpy_accum.core._two_pass`) as
-    ``two_passes(args, axes, plan, states)``."""
-    replayed = [v for v in self.target.vars().unique().values() if not isinstance(v, bm.TrainVar)]
-    replayed += [v for v in random_states(self.target) if all(v is not r for r in replayed)]
-    devices = None if self.mesh is None else Devices(self.mesh_axis, self.num_devices)
-    return functools.partial(two_pass_sums, self._forward(shared_args), lambda p: self._loss_of(p, targets),
-                             params, replayed, devices=devices)
+      yield
+    finally:
+      self.progress_bar = shown

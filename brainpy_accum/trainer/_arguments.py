@@ -1,18 +1,61 @@
-"""Eager checks of user arguments: each error names the argument, shows the value and says what to do."""
+"""Eager checks of user arguments: each error names the argument, shows the value and says what to do.
+
+Where :class:`brainpy.BPTT` raises one of BrainPy's own classes for a mistake, ``AccumBPTT`` raises a class that
+derives from it *and* from the built-in ``ValueError`` / ``TypeError`` that says what kind of mistake it is
+(:class:`RemovedArgumentError`, :class:`BareBatchError`, :class:`ReportCallbackError`), so ``except`` clauses
+written for ``bp.BPTT`` still catch them.
+"""
 
 import math
 import warnings
 
 import numpy as np
-
+from brainpy._errors import NoLongerSupportError, UnsupportedError
 
 from ..core._combine import check_grad_reduction, check_loss_weight_fn
 from ..core._cut import check_cut, check_positive_int, is_int
+from ..core._metrics import check_aux_reduction
 from ..memory._budget import parse_memory
-from ._errors import BareBatchError, RemovedArgumentError, ReportCallbackError
+from ..memory._device import as_fraction
 
-__all__ = ['check_accumulation_args', 'check_remat', 'check_update_args', 'check_whole_batch_loss', 'check_fit_args',
-           'check_data', 'warn_batch_statistics']
+__all__ = ['BareBatchError', 'RemovedArgumentError', 'ReportCallbackError', 'check_accumulation_args',
+           'check_data', 'check_fit_args', 'check_remat', 'check_trainer_args', 'check_update_args',
+           'check_whole_batch_loss', 'warn_batch_statistics']
+
+
+class RemovedArgumentError(TypeError, NoLongerSupportError):
+  """An argument that :class:`brainpy.BPTT` no longer supports (BrainPy raises ``NoLongerSupportError``)."""
+
+
+class BareBatchError(TypeError, UnsupportedError):
+  """Training data given as one bare ``(X, Y)`` pair (BrainPy raises ``UnsupportedError``)."""
+
+
+class ReportCallbackError(TypeError, AssertionError):
+  """A ``fun_after_report`` that cannot be called (BrainPy fails an ``assert``, hence ``AssertionError``)."""
+
+
+def check_trainer_args(*, num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget,
+                       remat, mesh, whole_batch_loss, loss_weight_fn, clip_grad_norm, skip_nonfinite,
+                       accumulate_steps, aux_reduction, loss_has_aux: bool):
+  """Every accumulation option of :class:`AccumBPTT`, before anything is built; returns ``num_micro_batch``
+  (``1`` where neither it nor ``micro_batch_size`` is given: bp.BPTT's whole-batch step) and the checked
+  ``aux_reduction``."""
+  if remat == 'auto' and mesh is not None:
+    raise ValueError("remat='auto' is not supported with a mesh (its trial steps run unsharded): choose remat=True "
+                     "or False with mesh=..., or drop the mesh.")
+  check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, accumulate_steps)
+  if num_micro_batch is None and micro_batch_size is None:
+    num_micro_batch = 1
+  check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget)
+  check_remat(remat, num_micro_batch, memory_budget)
+  check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite)
+  checked = check_aux_reduction(aux_reduction)
+  if checked and not loss_has_aux:
+    raise ValueError(f'{aux_reduction=} declares how metrics combine, but there are none without '
+                     f'loss_has_aux=True (loss_fun returning (loss, dict of metrics)). Pass loss_has_aux=True or '
+                     f'drop aux_reduction.')
+  return num_micro_batch, checked
 
 
 def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis,
@@ -21,9 +64,8 @@ def check_accumulation_args(num_micro_batch, micro_batch_size, grad_reduction, t
   if num_micro_batch is not None and micro_batch_size is not None:
     check_cut(num_micro_batch, micro_batch_size)  # raises: exactly one of them
   if num_micro_batch == 'auto':
-    if memory_budget is None:
-      raise ValueError("num_micro_batch='auto' needs memory_budget, e.g. memory_budget='2GiB'.")
-    parse_memory(memory_budget)
+    if memory_budget is not None and as_fraction(memory_budget) is None:
+      parse_memory(memory_budget)  # (None or a share: the device's memory, checked when the budget is made)
   elif memory_budget is not None:
     raise ValueError(f"{memory_budget=} is only used with num_micro_batch='auto'; got {num_micro_batch=} "
                      f"and {micro_batch_size=}.")
@@ -40,7 +82,7 @@ def check_remat(remat, num_micro_batch=None, memory_budget=None) -> None:
   if isinstance(remat, bool):
     return
   if isinstance(remat, str) and remat == 'auto':
-    if num_micro_batch != 'auto' or memory_budget is None:
+    if num_micro_batch != 'auto':
       raise ValueError(f"remat='auto' lets the memory planner choose remat together with the micro-batches, so it "
                        f"needs num_micro_batch='auto' and a memory_budget; got {num_micro_batch=} and "
                        f"{memory_budget=}. Add num_micro_batch='auto', memory_budget='2GiB', or choose "

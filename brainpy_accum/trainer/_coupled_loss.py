@@ -23,7 +23,7 @@ or ``grad_reduction='sum'``: a mean over every element is a mean over samples, w
 import functools
 import threading
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import brainpy as bp
 import brainpy.math as bm
@@ -41,7 +41,7 @@ from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import forward_pass, output_axes, second_sizes, traced_shapes, whole_batch_like
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
 
-__all__ = ['MEANS_OVER_ELEMENTS', 'POINTS', 'check_first_batch', 'check_in_background', 'check_loss',
+__all__ = ['MEANS_OVER_ELEMENTS', 'POINTS', 'CheckParts', 'FirstBatchCheck', 'check_first_batch', 'check_in_background', 'check_loss',
            'loss_at_random_outputs', 'random_outputs', 'warn_coupled_loss', 'warn_if_coupled']
 
 
@@ -324,3 +324,116 @@ class _Names:
 
   def __init__(self):
     self.metrics = []
+
+
+class CheckParts(NamedTuple):
+  """What the first-batch check reads of the trainer, handed over by it.
+
+  ``check_batch(inputs, targets) -> BatchLayout``; ``plan_for(batch_size)``, ``known_plan(batch_size)``: the
+  planner's plans (:class:`~brainpy_accum.memory._planner.Planner`); ``argument_bytes(inputs, targets)`` and
+  ``budget()``: whether the check fits beside planning; ``check_flat_states(shared_args, args, axes, plan,
+  states, batch_size)``: the error naming ``batch_axis`` for a model that fails on a micro-batch;
+  ``quiet()``: tracing without time-step bars; ``forward``, ``loss_of``, ``weigh``: the model's loss;
+  ``variables()``: what the check must leave as it found it.
+  """
+  check_batch: Callable
+  plan_for: Callable
+  known_plan: Callable
+  argument_bytes: Callable
+  budget: Callable[[], Optional[int]]
+  check_flat_states: Callable
+  quiet: Callable
+  forward: Callable
+  loss_of: Callable
+  weigh: Callable
+  variables: Callable[[], list]
+
+
+class FirstBatchCheck:
+  """The default mode's first-batch check, once per trainer (:func:`check_first_batch`).
+
+  Parameters
+  ----------
+  model : DynamicalSystem
+    The trained model.
+  parts : CheckParts
+    What the check reads of the trainer.
+  loss_func : callable
+    ``loss_fun`` as the trainer resolved it (BrainPy's own means over every element need no check).
+  jit, on_mesh : bool
+    Whether the train step is jitted, and split over a mesh.
+  reduction, declared, has_metrics, weighted
+    ``grad_reduction``, ``aux_reduction``, ``loss_has_aux`` and whether ``loss_weight_fn`` is given.
+  done : bool
+    Nothing to check (``whole_batch_loss=True`` trains the whole batch's loss).
+  """
+
+  def __init__(self, model, parts: CheckParts, *, loss_func: Callable, jit: bool, on_mesh: bool, reduction: str,
+               declared: dict, has_metrics: bool, weighted: bool, done: bool = False):
+    self.model, self.parts, self.loss_func, self.jit, self.on_mesh = model, parts, loss_func, jit, on_mesh
+    self.reduction, self.declared, self.has_metrics, self.weighted = reduction, declared, has_metrics, weighted
+    self.checked = done
+    self._running: Optional[Callable[..., None]] = None  # the check's finish(), once started
+
+  def wait(self) -> None:
+    """Wait for a check running beside planning (planning times trial steps after it), without its report."""
+    if self._running is not None:
+      self._running(report=False)
+
+  def __call__(self, shared_args, inputs, targets, before_planning: bool = False, streamed: bool = False
+               ) -> Optional[Callable[[], Optional[Callable[..., None]]]]:
+    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once).
+
+    A model that fails on a micro-batch raises now (the error that names the fix). Returns ``start()``, or
+    ``None`` where there is nothing to check: ``start()`` checks the loss, on the values the Variables hold
+    then (fit calls it once the first step is dispatched, so that the check's tracing overlaps the step's run;
+    nothing the check computes depends on those values), and returns ``finish()`` for fit to call after the
+    first step when the check runs beside it, else ``None``.
+    ``before_planning`` (``num_micro_batch='auto'``, a batch not planned yet): cut in two, so that it can start
+    before planning and compile beside the planner's search (its cut does not wait for the plan, and is the
+    same whether the plan is searched or read from the plan cache); only where it can (jit, no mesh, the
+    batch's data well within the budget), else ``None`` and fit checks the planned cut, beside the first step
+    as usual. ``streamed``: ``inputs, targets`` are samples of a streamed batch, whose chunks combine like
+    micro-batches: cut in two where their plan would not cut them.
+    """
+    if self.checked:
+      return None
+    layout = self.parts.check_batch(inputs, targets)
+    plan = self._plan(layout.batch_size, inputs, targets, before_planning, streamed)
+    if plan is None:
+      return None
+    self.checked = True
+    if plan.num_micro_batches > 1:  # a model that fails on a micro-batch: the error that names the fix, first
+      with whole_batch_variables(self.model, layout.batch_size) as states, \
+           values_restored([var for var, _ in states]):
+        self.parts.check_flat_states(shared_args, (inputs, targets), jax.tree_util.tree_leaves(
+          (layout.input_axes, layout.target_axes)), plan, states, layout.batch_size)
+    if self.loss_func in MEANS_OVER_ELEMENTS and not self.has_metrics and not self.weighted \
+        and self.reduction == 'mean':
+      return None  # a mean over every element is a mean over samples: nothing to check (see the module)
+    return functools.partial(self._start, shared_args, inputs, targets, plan)
+
+  def _plan(self, batch_size: int, inputs, targets, before_planning: bool, streamed: bool
+            ) -> Optional[MicroBatchPlan]:
+    """The cut the check compares the whole batch with (``None``: no check now)."""
+    if before_planning:
+      budget = self.parts.budget()
+      if (batch_size < 2 or self.on_mesh or not self.jit or self.parts.known_plan(batch_size) is not None
+          or 2 * self.parts.argument_bytes(inputs, targets) > budget):
+        return None
+      return plan_micro_batches(batch_size, num_micro_batch=2)
+    if streamed:
+      plan = self.parts.known_plan(batch_size)
+      return plan_micro_batches(batch_size, num_micro_batch=2) if plan is None or plan.num_micro_batches == 1 \
+          else plan
+    return self.parts.plan_for(batch_size)
+
+  def _start(self, shared_args, inputs, targets, plan: MicroBatchPlan) -> Optional[Callable[..., None]]:
+    variables = self.parts.variables()
+    with self.parts.quiet():
+      finish = check_first_batch(self.model, shared_args, inputs, targets, check_batch=self.parts.check_batch,
+                                 plan=plan, forward=self.parts.forward, loss_of=self.parts.loss_of,
+                                 weigh=self.parts.weigh, variables=variables, jit=self.jit,
+                                 reduction=self.reduction, declared=self.declared, has_metrics=self.has_metrics)
+    self._running = finish  # the planner waits for it before timing trial steps
+    return finish

@@ -48,6 +48,9 @@ class TrainerParts(NamedTuple):
   window: Any                                    # the accumulate_steps window (GradWindow) or None, for checkpoints
   metric_plan: Callable[[], Any] = lambda: None  # () -> how the last traced step combined its metrics (MetricPlan)
   plan_cached: Callable[..., bool] = lambda *batch: False  # (shared_args, inputs, targets): a cached plan to read
+  plan_chunk: Callable[..., Any] = None  # (inputs, targets, shared_args): the plan of a streamed batch's chunk
+  whole_batch_loss: Callable[..., Any] = None  # (shared_args, inputs, targets): bp.BPTT's loss of the whole batch
+  keep_history: Callable[..., None] = None  # (report, detailed train metrics, report, detailed test metrics)
 
 
 class LoopOptions(NamedTuple):
@@ -140,17 +143,12 @@ def fit(trainer, parts: TrainerParts, train_data, test_data, num_epoch: int, num
   except (Interrupted, KeyboardInterrupt) as interruption:
     if not getattr(interruption, 'forced', False):  # a second Ctrl-C mid-step may have left a half-written step
       run.save()
-    _keep_history(trainer, logs)
+    parts.keep_history(*logs['fit'].arrays(), *logs['test'].arrays())
     if not isinstance(interruption, Interrupted):
       raise
     act_on(interruption.signum)  # Ctrl-C: KeyboardInterrupt; SIGTERM: its previous handler (default: exit)
   finally:
-    _keep_history(trainer, logs)
-
-
-def _keep_history(trainer, logs: Dict[str, PhaseLog]) -> None:
-  trainer._report_train_metrics, trainer._detailed_train_metrics = logs['fit'].arrays()
-  trainer._report_test_metrics, trainer._detailed_test_metrics = logs['test'].arrays()
+    parts.keep_history(*logs['fit'].arrays(), *logs['test'].arrays())
 
 
 def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epoch: int, options: LoopOptions,
@@ -179,7 +177,7 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
         start = parts.check_loss_once(options.shared_args, inputs, targets, True) if phase == 'fit' else None
         if start is not None and not parts.plan_cached(options.shared_args, inputs, targets):
           start, early = None, start()  # before planning: it compiles beside the search (a cached plan has none)
-        with _finishing(early, report=False), _errors_of_the_whole_batch(trainer, options.shared_args, inputs, targets):
+        with _finishing(early, report=False), _errors_of_the_whole_batch(parts, options.shared_args, inputs, targets):
           trainer.plan_memory(inputs, targets, options.shared_args)
         if layout.batch_size not in trainer.stream_chunks and trainer.num_micro_batch_for(layout.batch_size) == 1:
           if early is not None:  # one micro-batch: accumulation trains the whole batch's loss, nothing to warn
@@ -252,7 +250,7 @@ def _finish(checking: List[Callable[..., None]], report: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def _errors_of_the_whole_batch(trainer, shared_args, inputs, targets):
+def _errors_of_the_whole_batch(parts: TrainerParts, shared_args, inputs, targets):
   """Around what traces the model on micro-batches (planning, a step): if it raises, and the model or ``loss_fun``
   fails on the whole batch too (bp.BPTT's own loss function, traced for shapes only: nothing changes), raise
   that error instead, the one bp.BPTT gives: a mistake in the user's code or data then reads the same with
@@ -262,7 +260,7 @@ def _errors_of_the_whole_batch(trainer, shared_args, inputs, targets):
     yield
   except Exception as error:
     try:
-      brainstate.transform.eval_shape(trainer._step_func_loss, shared_args, inputs, targets)
+      brainstate.transform.eval_shape(parts.whole_batch_loss, shared_args, inputs, targets)
     except Exception as whole:
       if type(whole) is type(error) and str(whole) == str(error):
         raise
@@ -296,7 +294,7 @@ def _step_kind(trainer, phase: str, update: bool, streamed: bool = False) -> str
 def _run_step(trainer, parts: TrainerParts, phase: str, kind: str, options: LoopOptions, inputs, targets,
               batch_size: int):
   """Run one compiled step (again, cut finer, after running out of device memory); its ``(loss, aux)``."""
-  with _errors_of_the_whole_batch(trainer, options.shared_args, inputs, targets):
+  with _errors_of_the_whole_batch(parts, options.shared_args, inputs, targets):
     result, compiles = run_with_retry(
       lambda: _call_step(parts.step(kind), options.shared_args, inputs, targets),
       lambda error: parts.replan_finer(batch_size))
@@ -327,7 +325,7 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       y = host_chunk(targets, layout.target_axes, start, size)
       for name, (var, axis) in states.items():
         var.value = jax.lax.dynamic_slice_in_dim(whole[name], start, size, axis=axis)  # one program for all starts
-      trainer._plan_streamed_chunk(x, y, options.shared_args)  # the shorter last chunk has its own plan
+      parts.plan_chunk(x, y, options.shared_args)  # the shorter last chunk has its own plan
       finish = (early or _check_streamed(parts, options, inputs, targets, layout, x, y, size, states, whole)
                 ) if phase == 'fit' and i == 0 else None
       last = update and i == len(sizes) - 1

@@ -8,7 +8,7 @@ optimizer state are replicated; model states and the window rows are split as ``
 """
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import brainpy.math as bm
 import brainstate
@@ -17,8 +17,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from ..core._batch import is_array
 from ..core._mesh import batch_spec, per_device_random, sum_across_devices
+from ..core._states import batched_variables
 
-__all__ = ['on_mesh']
+__all__ = ['on_mesh', 'split_variables']
 
 
 def on_mesh(sums_of: Callable, settle: Callable, mesh: Mesh, axis: str, args: tuple, arg_axes: Sequence[int],
@@ -41,3 +42,13 @@ def on_mesh(sums_of: Callable, settle: Callable, mesh: Mesh, axis: str, args: tu
     local, mesh, in_specs=tuple(batch_spec(a, axis) for a in arg_axes), out_specs=PartitionSpec(),
     state_in_specs=state_specs, state_out_specs=state_specs, check_vma=False)
   return run(*[bm.as_jax(x) for x in leaves])
+
+
+def split_variables(model, window, mesh_axis: str, batch_size: Optional[int] = None) -> List[Tuple[bm.Variable, PartitionSpec]]:
+  """``(Variable, partition)`` of every Variable split over the mesh: ``model``'s states along their batch axis
+  and the rows of ``window`` (the ``accumulate_steps`` window, or ``None``) one per device. All others are
+  replicated."""
+  split = [(var, batch_spec(state_axis, mesh_axis)) for var, state_axis in batched_variables(model, batch_size).values()]
+  if window is not None:
+    split += [(var, batch_spec(0, mesh_axis)) for var in window.variables().values()]
+  return split

@@ -11,21 +11,22 @@ two-pass mode, is the same two functions:
    the window.
 
 A mesh only wraps the pair in ``shard_map`` (:mod:`~brainpy_accum.trainer._sharded`). What :func:`settle` returns is applied by
-the trainer outside, once per optimizer update.
+the trainer outside, once per optimizer update: :func:`clip_by_global_norm`, then :func:`guarded_update` (the
+non-finite guard).
 """
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
 
 import brainpy.math as bm
+import jax
 import jax.numpy as jnp
 
 from ..core._accumulate import MicroResult, Sums, accumulate
-from ..core._combine import finish_grads, finish_values
+from ..core._combine import finish_grads, finish_values, same_type
 from ..core._cut import MicroBatchPlan
 from ..core._metrics import MetricPlan, across_devices, finish_metrics, summed_leaves
-from ._update import all_finite
 
-__all__ = ['Settled', 'micro_step', 'batch_sums', 'settle', 'same']
+__all__ = ['Settled', 'all_finite', 'batch_sums', 'clip_by_global_norm', 'guarded_update', 'micro_step', 'same', 'settle']
 
 
 class Settled(NamedTuple):
@@ -137,3 +138,33 @@ def settle(sums: Sums, across: Callable, mesh_axis: Optional[str] = None, *, red
   if closes is not None:
     apply = closes if apply is None else apply & closes
   return Settled(grads, apply, finite, loss, aux)
+
+
+def all_finite(tree) -> jax.Array:
+  """``True`` when no leaf holds a NaN or an infinity."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def clip_by_global_norm(grads: Dict, max_norm: float) -> Dict:
+  """Scale all gradients by ``max_norm / norm`` when their global L2 norm exceeds ``max_norm``."""
+  norm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values()))
+  scale = jnp.where(norm > max_norm, max_norm / norm, 1.)
+  return {k: same_type(g * scale, g) for k, g in grads.items()}
+
+
+def guarded_update(optimizer, params: Dict[str, bm.Variable], grads: Dict, apply: Optional[jax.Array]) -> None:
+  """``optimizer.update(grads)``; with ``apply`` given, every Variable it touches is kept as it was where ``apply`` is False.
+
+  Parameters, optimizer moments and the learning-rate step counter all stay
+  bit-for-bit unchanged on a skipped update.
+  """
+  if apply is None:
+    optimizer.update(grads)
+    return
+  touched = dict(optimizer.vars().unique())
+  touched.update(params)
+  before = {k: v.value for k, v in touched.items()}
+  optimizer.update({k: jnp.where(apply, g, jnp.zeros_like(g)) for k, g in grads.items()})
+  for k, var in touched.items():
+    var.value = same_type(jnp.where(apply, var.value, before[k]), before[k])

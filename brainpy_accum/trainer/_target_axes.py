@@ -9,15 +9,18 @@ the batch axis. No choice, or more than one, raises the error that names ``targe
 """
 
 import itertools
-from typing import Callable, List, Sequence
+from typing import Callable, ContextManager, Dict, List, Sequence
 
 import brainstate
 import jax
+import numpy as np
+from brainpy import tools
 
 from ..core._batch import ambiguous_targets_error, describe_leaf, is_array
 from ..core._shapes import first_samples, traced_shapes
+from ..core._states import batched_variables, declared_batch_axes
 
-__all__ = ['decide_target_axes', 'evidence_sizes']
+__all__ = ['TargetAxes', 'decide_target_axes', 'evidence_sizes']
 
 MAX_CHOICES = 64
 
@@ -70,3 +73,28 @@ def predict_shapes_of(forward: Callable, inputs, input_axes, states) -> Callable
   """``predict_shapes(sizes)`` for :func:`decide_target_axes`: ``forward((inputs,), n)`` traced at each size."""
   axes = jax.tree_util.tree_leaves(input_axes)
   return lambda sizes: traced_shapes(forward, (inputs,), axes, states, sizes)
+
+
+class TargetAxes:
+  """The batch axes of a trainer's ambiguous targets, decided once per batch shape.
+
+  ``forward(shared_args) -> forward(micro_args, size)`` and ``loss_of(predicts, targets)``: the model's loss;
+  ``quiet()``: tracing without per-time-step progress bars.
+  """
+
+  def __init__(self, model, forward: Callable, loss_of: Callable, quiet: Callable[[], ContextManager]):
+    self.model, self.forward, self.loss_of, self.quiet = model, forward, loss_of, quiet
+    self._decided: Dict[tuple, List[int]] = {}
+
+  def __call__(self, inputs, targets, input_axes, batch_size: int, candidates) -> List[int]:
+    """Target leaves with two axes of the batch's size: their batch axes from evidence
+    (:func:`decide_target_axes`), decided once per batch shape."""
+    key = (jax.tree_util.tree_structure((inputs, targets), is_leaf=is_array),
+           tuple(tuple(np.shape(x)) for x in jax.tree_util.tree_leaves((inputs, targets), is_leaf=is_array)),
+           tuple(map(tuple, candidates)))
+    if key not in self._decided:
+      states = batched_variables(self.model, batch_size)
+      with declared_batch_axes(states.values()), self.quiet():
+        predict = predict_shapes_of(self.forward(tools.DotDict({'fit': True})), inputs, input_axes, list(states.values()))
+        self._decided[key] = decide_target_axes(predict, self.loss_of, targets, batch_size, candidates)
+    return self._decided[key]

@@ -94,7 +94,7 @@ def test_arithmetic_bound_of_the_fixed_bytes_never_exceeds_xlas(optimizer, via_w
   trainer.target.reset(24)
   fixed = step_memory(trainer.compile_step(x, y, plan=plan_micro_batches(24, num_micro_batch=2),
                                            via_window=via_window, quick=True)).fixed
-  bound = trainer._fixed_bytes_at_least(x, y)
+  bound = trainer._fixed_bytes(x, y)
   assert trainer._argument_bytes(x, y) < bound <= fixed, (bound, fixed)
   if not via_window:  # a window's step also writes its sums, which the bound leaves out
     assert fixed < 1.2 * bound, (bound, fixed)
@@ -129,8 +129,8 @@ def test_traced_lower_bound_of_the_step_never_exceeds_xlas_memory(model, num_tim
   for micro_batch_size, via_window in ((12, False), (5, True)):  # 12 = one piece; 5, 5, 2
     plan = plan_micro_batches(12, micro_batch_size=micro_batch_size)
     used = step_memory(trainer.compile_step(x, y, plan=plan, via_window=via_window, quick=True))
-    bound = trainer._bytes_at_least(plan, FIT, x, y, via_window=via_window)
-    temp = bound - trainer._fixed_bytes_at_least(x, y)  # the part read from the trace
+    bound = trainer.planner.compilers.bytes_at_least(plan, FIT, x, y, via_window)
+    temp = bound - trainer._fixed_bytes(x, y)  # the part read from the trace
     assert temp <= used.total - used.fixed and bound <= used.total, (micro_batch_size, via_window, temp, used)
     if num_time > 1 and not remat and model == 'rnn':  # close enough to rule sizes out: the stacked residuals
       assert temp >= 0.5 * (used.total - used.fixed), (temp, used)

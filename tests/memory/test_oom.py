@@ -19,15 +19,18 @@ OOM = 'RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.'
 def _flaky(trainer, fail_on_calls, error=None):
   """Make the train step raise ``error`` (XLA's OOM by default) on the given call numbers, before running."""
   calls = []
-  real = trainer._jit_step_func_fit
+  real = trainer._steps.step
 
-  def step(*args):
-    calls.append(1)
-    if len(calls) in fail_on_calls:
-      raise error or jax.errors.JaxRuntimeError(OOM)
-    return real(*args)
+  def step(kind):
+    def run(*args):
+      if kind == 'fit':
+        calls.append(1)
+        if len(calls) in fail_on_calls:
+          raise error or jax.errors.JaxRuntimeError(OOM)
+      return real(kind)(*args)
+    return run
 
-  trainer._jit_step_func_fit = step
+  trainer._steps.step = step
   return calls
 
 

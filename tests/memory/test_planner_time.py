@@ -143,7 +143,7 @@ def test_planning_with_trial_steps_changes_nothing(remat_only_budget):
   before = _every_value(trainer)
   plan = trainer.plan_memory(x, y)  # timed trial steps on this batch
   assert_trees_close(_every_value(trainer), before, rtol=0, atol=0)
-  weighed = trainer.weighed_plans[48]
+  weighed = trainer.planner.weighed_plans[48]
   assert all(c.seconds > 0 for c in weighed if c.fits) and any(c.remat for c in weighed)
   assert plan.micro_batch_size in {c.micro_batch_size for c in weighed if c.fits}
 
@@ -154,5 +154,5 @@ def test_fixed_remat_keeps_the_memory_only_plan(remat, remat_only_budget):
   trainer = _trainer(num_micro_batch='auto', memory_budget=budget, remat=remat)
   trainer.target.reset(48)
   plan = trainer.plan_memory(x, y)
-  assert plan.remat is None and trainer._remat_in_effect() == remat and 'remat' not in plan.describe()
-  assert not trainer.weighed_plans
+  assert plan.remat is None and trainer._model.remat_in_effect() == remat and 'remat' not in plan.describe()
+  assert not trainer.planner.weighed_plans

@@ -17,7 +17,7 @@ from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting
 from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
-from brainpy_accum.trainer._plan_key import _code
+from brainpy_accum.memory._plan_key import _code
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)

@@ -102,13 +102,14 @@ def test_larger_chunk_ruled_out_by_the_same_cut_of_a_smaller_chunk_does_not_fit(
   batches = _batches((48,))
   budget = _budget(batches)
   probed = []
-  probe = AccumBPTT._probe_memory
-  monkeypatch.setattr(AccumBPTT, '_probe_memory', lambda self, plan, *args: probed.append(plan) or probe(self, plan, *args))
   trainer = AccumBPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
                       num_micro_batch='auto', memory_budget=budget, remat='auto', cache=False)
+  compilers = trainer.planner.compilers
+  probe = lambda plan, *args: compilers.step_bytes(plan, *args)
+  trainer.planner.compilers = compilers._replace(step_bytes=lambda plan, *args: probed.append(plan) or probe(plan, *args))
   trainer.fit(batches, num_epoch=1)
   chunk = trainer.stream_chunks[48]
-  largest = max(c.micro_batch_size for c in trainer.weighed_plans[chunk] if c.fits)
+  largest = max(c.micro_batch_size for c in trainer.planner.weighed_plans[chunk] if c.fits)
   larger = [c for c in chunk_candidates(48) if c > chunk]
   assert chunk == 6 and largest == 3 and larger  # the workload this test is about
   assert not [p for p in probed if p.batch_size in larger and p.micro_batch_size == largest]
@@ -116,7 +117,7 @@ def test_larger_chunk_ruled_out_by_the_same_cut_of_a_smaller_chunk_does_not_fit(
   trainer.target.reset(larger[-1])
   for remat in (False, True):
     plan = plan_micro_batches(larger[-1], micro_batch_size=largest)._replace(remat=remat)
-    assert probe(trainer, plan, FIT, x[:larger[-1]], y[:larger[-1]], True).total > budget
+    assert probe(plan, FIT, x[:larger[-1]], y[:larger[-1]], True).total > budget
   reference = bp.BPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
   reference.fit(batches, num_epoch=1)
   assert_trees_close(params_of(trainer.target), params_of(reference.target))
@@ -164,8 +165,9 @@ def test_streamed_rerun_takes_its_chunk_from_the_plan_cache(tmp_path, capsys):
   capsys.readouterr()
 
   rerun = trainer()
-  probes, probe = [], rerun._probe_memory
-  rerun._probe_memory = lambda *args, **kwargs: probes.append(args[0]) or probe(*args, **kwargs)
+  probes, compilers = [], rerun.planner.compilers
+  rerun.planner.compilers = compilers._replace(
+    step_bytes=lambda *args, **kwargs: probes.append(args[0]) or compilers.step_bytes(*args, **kwargs))
   rerun.fit(batches, num_epoch=1)
   assert rerun.stream_chunks[24] == chunk and probes == []
   assert 'from the plan cache' in capsys.readouterr().out

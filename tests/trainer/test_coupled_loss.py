@@ -126,10 +126,10 @@ def test_brainpys_means_over_elements_are_size_weighted_means_of_any_split(loss)
 def test_brainpys_mean_losses_skip_the_check_and_train_as_a_checked_copy(monkeypatch):
   """``loss_fun=bp.losses.mean_squared_error`` compiles nothing for the check; the same loss wrapped in a lambda is
   checked (silently) and trains to the same parameters."""
-  from brainpy_accum.trainer import _accum_bptt
+  from brainpy_accum.trainer import _coupled_loss
   calls = []
-  checked = _accum_bptt.check_first_batch
-  monkeypatch.setattr(_accum_bptt, 'check_first_batch', lambda *a, **k: calls.append(1) or checked(*a, **k))
+  checked = _coupled_loss.check_first_batch
+  monkeypatch.setattr(_coupled_loss, 'check_first_batch', lambda *a, **k: calls.append(1) or checked(*a, **k))
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter('always')
     skipped = _fit(bp.losses.mean_squared_error, model='rnn')

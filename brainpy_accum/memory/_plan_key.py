@@ -13,7 +13,7 @@ import json
 import os
 import platform
 import types
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import brainpy
 import brainpy.math as bm
@@ -62,11 +62,13 @@ def _arrays(tree) -> list:
   return [str(treedef), shapes]
 
 
-def plan_key(trainer, shared_args, inputs, targets, via_window: bool) -> dict:
-  """The key of the plan of this batch on ``trainer`` (an :class:`~brainpy_accum.AccumBPTT`)."""
-  nodes = list(trainer.target.nodes().unique().values())
-  variables = [[type(v).__name__, list(np.shape(v.value)), str(bm.as_jax(v.value).dtype)]
-               for v in trainer.vars().unique().values()]
+def plan_key(model, variables: Iterable, losses: Sequence[Callable], options: dict, shared_args, inputs, targets
+             ) -> dict:
+  """The key of the plan of this batch: ``model`` (a DynamicalSystem: its nodes' classes and the code of their
+  ``update``), ``variables`` (every Variable the step reads: shapes and dtypes), ``losses`` (the functions
+  whose code the step runs: the loss, ``loss_weight_fn``), ``options`` (the trainer's options as JSON, the
+  budget among them) and the batch."""
+  nodes = list(model.nodes().unique().values())
   device = jax.devices()[0]
   return {
     'planner': _FORMAT,
@@ -74,18 +76,11 @@ def plan_key(trainer, shared_args, inputs, targets, via_window: bool) -> dict:
                  brainstate.__version__, _package_version()],
     'device': [device.platform, getattr(device, 'device_kind', ''), os.environ.get('XLA_FLAGS', '')],
     'model': [[type(n).__qualname__, _code(getattr(type(n), 'update', None))] for n in nodes],
-    'variables': variables,
-    'loss': [_code(trainer._loss_func), _code(trainer.loss_weight_fn)],
+    'variables': [[type(v).__name__, list(np.shape(v.value)), str(bm.as_jax(v.value).dtype)] for v in variables],
+    'loss': [_code(fn) for fn in losses],
     'batch': [_arrays(inputs), _arrays(targets)],
     'shared_args': sorted((str(k), repr(v)) for k, v in dict(shared_args or {}).items()),
-    'options': {'memory_budget': trainer.memory_budget, 'remat': trainer.remat,
-                'grad_reduction': trainer.grad_reduction, 'whole_batch_loss': trainer.whole_batch_loss,
-                'accumulate_steps': repr(trainer.accumulate_steps), 'clip_grad_norm': trainer.clip_grad_norm,
-                'skip_nonfinite': trainer.skip_nonfinite, 'data_first_axis': getattr(trainer, 'data_first_axis', None),
-                'target_batch_axis': trainer.target_batch_axis, 'loss_has_aux': trainer.loss_has_aux,
-                'aux_reduction': sorted(getattr(trainer, 'aux_reduction', {}).items()),
-                'optimizer': type(trainer.optimizer).__qualname__, 'jit': repr(dict(trainer.jit)),
-                'via_window': via_window},
+    'options': options,
   }
 
 

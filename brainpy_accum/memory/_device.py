@@ -1,0 +1,182 @@
+"""The device's own memory: the budget it gives, and the out-of-memory errors it raises.
+
+On a GPU or TPU ``jax.Device.memory_stats()`` reports the memory a program may use (``bytes_limit``) and what
+arrays hold now (``bytes_in_use``); a CPU reports nothing. :class:`Budget` turns ``memory_budget`` into bytes:
+a size as given, a share of the device (``'90%'``), or with no ``memory_budget`` the device's limit less what
+other arrays hold and a margin (:data:`DEVICE_MARGIN`). It is worked out when planning first needs it, so
+that the arrays the user put on the device by then are counted, and kept for the trainer's life.
+
+A program too large for the device is refused when XLA compiles it, with ``RESOURCE_EXHAUSTED``: on a TPU
+"Ran out of memory in memory space hbm ... the total memory required for HLO temporaries (17.38G) exceeds
+available HBM (15.75G)", on a GPU "Out of memory while trying to allocate ...". For the planner such a refusal
+is a measurement, the candidate does not fit, with the size the message names (:func:`refused_bytes`).
+"""
+
+import re
+from typing import NamedTuple, Optional, Union
+
+import jax
+
+from ._budget import format_memory, parse_memory
+
+__all__ = ['DEVICE_MARGIN', 'Budget', 'DeviceMemory', 'device_memory', 'as_fraction', 'is_out_of_memory', 'refused_bytes']
+
+# Of the device's limit, kept free when the budget is the device's own: XLA's memory analysis counts the
+# program's buffers, not the runtime's own allocations, the executable itself or the allocator's fragmentation.
+# Not yet measured on an accelerator (no device was lent when this was written): the run-time retry
+# (:mod:`~brainpy_accum.memory._oom`) catches a plan that still does not fit.
+DEVICE_MARGIN = 0.05
+
+
+class DeviceMemory(NamedTuple):
+  """What a device reports of its memory: ``limit`` usable bytes, ``in_use`` held by arrays now, its ``kind``."""
+  limit: int
+  in_use: int
+  kind: str
+
+
+def device_memory(device: Optional[jax.Device] = None) -> Optional[DeviceMemory]:
+  """The memory of ``device`` (the first device by default), or ``None`` where it reports none (a CPU).
+
+  Examples
+  --------
+  >>> import jax
+  >>> from brainpy_accum.memory._device import device_memory
+  >>> device_memory() is None or device_memory().limit > 0
+  True
+  """
+  device = device or jax.devices()[0]
+  try:
+    stats = device.memory_stats()
+  except Exception:  # noqa: BLE001 -- a backend without memory statistics
+    stats = None
+  if not stats or 'bytes_limit' not in stats:
+    return None
+  kind = f'{device.platform.upper()} {getattr(device, "device_kind", "")}'.strip()
+  return DeviceMemory(int(stats['bytes_limit']), int(stats.get('bytes_in_use', 0)), kind)
+
+
+def as_fraction(value) -> Optional[float]:
+  """``0.9`` of ``'90%'``; ``None`` if ``value`` is not a percentage."""
+  match = re.fullmatch(r'\s*([0-9]*\.?[0-9]+)\s*%\s*', value) if isinstance(value, str) else None
+  return None if match is None else float(match.group(1)) / 100
+
+
+class Budget:
+  """``memory_budget`` in bytes: as given, a share of the device, or the device's own limit.
+
+  Parameters
+  ----------
+  value : int, str or None
+    Bytes, a size such as ``'2GiB'``, a share of the device such as ``'90%'``, or ``None`` for the device's
+    limit less what other arrays hold and :data:`DEVICE_MARGIN`.
+  device : jax.Device, optional
+    The device whose memory counts (the first device by default).
+
+  Raises
+  ------
+  ValueError
+    If ``value`` is a share or ``None`` and the device reports no memory limit (a CPU): then the size must be
+    given.
+
+  Examples
+  --------
+  >>> from brainpy_accum.memory._device import Budget
+  >>> budget = Budget('64MiB')
+  >>> budget.bytes(), budget.describe()
+  (67108864, 'memory_budget 64.0 MiB')
+  """
+
+  def __init__(self, value: Union[int, str, None], device: Optional[jax.Device] = None):
+    self.value, self.device = value, device
+    self._share = as_fraction(value)
+    self._given = None if value is None or self._share is not None else parse_memory(value)
+    if self._share is not None and not 0 < self._share <= 1:
+      raise ValueError(f'memory_budget={value!r} must be a share of the device between 0% and 100%, e.g. '
+                       f"memory_budget='90%'.")
+    self._bytes: Optional[int] = self._given
+    self._source = 'memory_budget'
+    if self._given is None and device_memory(device) is None:
+      if self._share is not None:
+        raise ValueError(f'memory_budget={value!r} is a share of the device\'s memory, but {_device_name(device)} '
+                         f"reports no memory limit (a CPU has none): pass the bytes, e.g. memory_budget='2GiB'.")
+      raise ValueError(f"num_micro_batch='auto' needs memory_budget, e.g. memory_budget='2GiB': without one it "
+                       f"plans against the device's own memory, but {_device_name(device)} reports no memory limit "
+                       f'(a CPU has none).')
+
+  @property
+  def from_device(self) -> bool:
+    """Whether the bytes come from the device's memory (``None`` or a share), not from a size given."""
+    return self._given is None
+
+  def bytes(self, held: int = 0) -> int:
+    """The budget in bytes, worked out at the first call and kept. ``held``: bytes of arrays now on the device
+    that the step takes as its own arguments (the trainer's Variables): they count in the step's memory, so
+    they are not taken off the device's limit as arrays of others."""
+    if self._bytes is None:
+      memory = device_memory(self.device)
+      others = max(0, memory.in_use - held)
+      share = self._share if self._share is not None else 1 - DEVICE_MARGIN
+      # rounded down to 1/1024 of the limit, so that a rerun with a few bytes more or less in use plans (and
+      # finds its cached plans) under the same budget
+      grain = max(1, memory.limit // 1024)
+      self._bytes = max(grain, (int(share * memory.limit) - others) // grain * grain)
+      self._source = (f'{format_memory(self._bytes)} of {memory.kind}: '
+                      f'{"" if self._share is None else self.value + " of "}its limit {format_memory(memory.limit)}'
+                      f'{f" less {format_memory(others)} held by other arrays" if others else ""}'
+                      f'{f" and a margin of {DEVICE_MARGIN:.0%}" if self._share is None else ""}')
+    return self._bytes
+
+  def named(self) -> str:
+    """The budget as an error names it: ``memory_budget=...`` as given, or the device's (see :meth:`describe`)."""
+    return self.describe() if self._given is None else f'memory_budget={format_memory(self._given)}'
+
+  def describe(self) -> str:
+    """Which budget plans are made against, and where it comes from, for the plan lines."""
+    if self._given is not None:
+      return f'memory_budget {format_memory(self._given)}'
+    if self._bytes is None:
+      return f"the device's memory{'' if self._share is None else f' ({self.value})'}"
+    return f"the device's memory ({self._source})"
+
+
+def _device_name(device: Optional[jax.Device]) -> str:
+  device = device or jax.devices()[0]
+  return f'the {device.platform.upper()} device'
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether ``error`` is XLA's resource-exhausted error: the device is out of memory, at run time or when a
+  program too large for it is compiled."""
+  return isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error)
+
+
+_SIZES = {'': 1, 'B': 1, 'K': 2 ** 10, 'KB': 2 ** 10, 'KIB': 2 ** 10, 'M': 2 ** 20, 'MB': 2 ** 20, 'MIB': 2 ** 20,
+          'G': 2 ** 30, 'GB': 2 ** 30, 'GIB': 2 ** 30, 'T': 2 ** 40, 'TB': 2 ** 40, 'TIB': 2 ** 40}
+# the program's own size in the messages XLA writes when it refuses one (TPU: "required for HLO temporaries
+# (17.38G) exceeds available HBM"; "Used 17.38G of 15.75G hbm"; GPU: "allocate 18663604224 bytes")
+_NAMED = (r'required for [^(]*\(\s*([0-9.]+)\s*([KMGT]?i?B?)\s*\)', r'Used\s+([0-9.]+)\s*([KMGT]?i?B?)\s+of',
+          r'allocat\w*\s+([0-9.]+)\s*([KMGT]?i?B?)(?:ytes)?')
+
+
+def refused_bytes(error: BaseException, at_least: int) -> int:
+  """The bytes a refused program needs: the size XLA's message names, and never less than ``at_least`` (the
+  budget plus one: it did not fit). Messages that name no size give ``at_least``.
+
+  Examples
+  --------
+  >>> from brainpy_accum.memory._device import refused_bytes
+  >>> error = RuntimeError('RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. the total memory '
+  ...                      'required for HLO temporaries (17.38G) exceeds available HBM (15.75G).')
+  >>> refused_bytes(error, 1) == int(17.38 * 2 ** 30)
+  True
+  """
+  text = str(error)
+  for pattern in _NAMED:
+    match = re.search(pattern, text, flags=re.IGNORECASE)
+    if match is not None:
+      unit = match.group(2).upper().replace('YTES', '')
+      if unit in _SIZES:
+        return max(at_least, int(float(match.group(1)) * _SIZES[unit]))
+  return at_least
+

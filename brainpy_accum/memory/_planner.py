@@ -1,0 +1,582 @@
+"""The memory planner: how a batch of each size is cut into micro-batches, within a memory budget.
+
+:class:`Planner` owns what planning keeps: the budget (:class:`~brainpy_accum.memory._device.Budget`: given, or
+the device's own), the plan of each batch size, the chunks of the batches streamed from the host, the
+candidates weighed with ``remat='auto'``, the plans cut finer after running out of memory, and the plan cache.
+What it compiles and times it receives as :class:`Compilers`, what it reads and resets of the model as
+:class:`PlannedModel`: it knows nothing of a trainer, so it can be used and tested without one.
+
+How a batch's plan is found (``num_micro_batch='auto'``): a plan cached by an earlier run is compiled again and
+used if it still fits; else the fewest micro-batches whose compiled step fits the budget are searched with a
+few quick compilations (:func:`~brainpy_accum.memory._budget.choose_micro_batch_size`), or with ``remat='auto'``
+the fastest fitting (micro-batches, remat) plan by trial steps (:mod:`~brainpy_accum.memory._fastest`), and the
+pick is compiled as training runs it and must fit by that compilation's measure. A batch whose data does not
+fit beside its step is streamed in chunks (:mod:`~brainpy_accum.memory._chunks`). A compilation that XLA
+refuses for memory (a GPU or TPU refuses a program larger than the device) is a measurement that the
+candidate does not fit, never an error.
+"""
+
+import functools
+import os
+import warnings
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+
+import jax
+from tqdm import tqdm
+
+from ..core._cut import MicroBatchPlan, plan_micro_batches
+from ..core._mesh import check_divisible
+from ..core._states import values_restored
+from ._budget import StepMemory, choose_micro_batch_size, format_memory, memory_parts
+from ._cache import PlanCache
+from ._chunks import ChunkSearch
+from ._device import Budget, is_out_of_memory, refused_bytes
+from ._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
+from ._oom import finer_plan
+from ._stream import best_chunk, chunk_candidates
+
+__all__ = ['Compilers', 'PlannedModel', 'PlannedStep', 'Planner', 'plural']
+
+
+class PlannedStep(NamedTuple):
+  """A train step compiled for one plan, fully optimised, as :meth:`fit` would compile it."""
+  memory: StepMemory        # its memory by XLA's analysis: what verifies that the plan fits
+  run: Callable[[], Any]    # a trial of it that changes nothing (``remat='auto'``'s timing)
+  keep: Callable[[], None]  # make fit run this very executable for the batch size (no second compilation)
+
+
+class Compilers(NamedTuple):
+  """What planning compiles and times, given by whoever trains.
+
+  ``step_bytes(plan, shared_args, inputs, targets, via_window) -> StepMemory`` of the train step compiled for
+  ``plan`` quickly (XLA's buffer assignment is that of the optimised step; only the code is left unoptimised):
+  the probes of the search; ``trial(plan, shared_args, inputs, targets, via_window) -> PlannedStep``: that step
+  compiled for training, to verify, time and keep; ``keepable(via_window)``: whether fit can run a kept step
+  (not where it runs another: a window's, a mesh's, or no jit); ``bytes_at_least(plan, shared_args, inputs,
+  targets, via_window) -> int``: a lower bound of that step's memory from its trace alone (no compilation);
+  ``guess(plan) -> float or None``: that step's bytes predicted from other measurements (a streamed batch's
+  chunks), where the search for a plan starts; never trusted (``None``: no guess); ``unkeep(batch_size)``:
+  forget the step kept for ``batch_size`` (its plan is made again); ``before_timing()``: called before trial
+  steps are timed (work running beside planning finishes first).
+  """
+  step_bytes: Callable[..., Any]
+  trial: Callable[..., PlannedStep]
+  keepable: Callable[[bool], bool]
+  bytes_at_least: Callable[..., int]
+  guess: Callable[[MicroBatchPlan], Optional[float]] = lambda plan: None
+  unkeep: Callable[[int], None] = lambda batch_size: None
+  before_timing: Callable[[], None] = lambda: None
+
+
+class PlannedModel(NamedTuple):
+  """What planning reads and changes of the trained model: ``check_batch(inputs, targets) -> BatchLayout``
+  (raises before anything changes); ``variables()``: every Variable a step reads or writes, random states
+  included (planning puts them back as they were); ``reset(batch_size)``: the model's state at that size;
+  ``batched(batch_size)``: its states that hold the batch, ``{name: (Variable, axis)}``;
+  ``fixed_bytes(inputs, targets)``: a lower bound of the step's memory that does not shrink with the
+  micro-batch (its arguments and the outputs every update writes), known without compiling."""
+  check_batch: Callable[[Any, Any], Any]
+  variables: Callable[[], list]
+  reset: Callable[[int], None]
+  batched: Callable[[int], dict]
+  fixed_bytes: Callable[[Any, Any], int]
+
+
+class _Request(NamedTuple):
+  """One batch to plan: its layout and data, the shared arguments, ``step_time`` (timing by a model) and the
+  ``compilers`` to plan it with (a streamed batch's chunks share their probes and guesses)."""
+  layout: Any
+  shared_args: Any
+  inputs: Any
+  targets: Any
+  step_time: Optional[Callable]
+  compilers: Compilers
+
+  @property
+  def batch(self) -> tuple:
+    return self.shared_args, self.inputs, self.targets
+
+
+def plural(count: int, noun: str) -> str:
+  """``'1 micro-batch'``, ``'3 micro-batches'``."""
+  return f'{count} {noun}' + ('' if count == 1 else 'es' if noun.endswith('ch') else 's')
+
+
+class Planner:
+  """How a batch of each size is cut into micro-batches, and, with ``num_micro_batch='auto'``, planned within a
+  memory budget.
+
+  Parameters
+  ----------
+  model : PlannedModel
+    What planning reads and resets of the model.
+  compilers : Compilers
+    What planning compiles and times.
+  num_micro_batch, micro_batch_size : int or 'auto', optional
+    The cut: a fixed one, or ``num_micro_batch='auto'`` to plan each batch size within ``budget``.
+  budget : Budget, optional
+    The memory budget (with ``'auto'``).
+  remat : bool, int or 'auto'
+    ``'auto'``: choose remat with the micro-batches, the fastest plan that fits.
+  devices : int
+    Devices a batch is split over (a mesh's batch axis); plans cut one device's share.
+  mesh_axis : str, optional
+    The mesh's batch axis (``None``: no mesh).
+  streams : bool
+    Whether a batch whose data does not fit may be streamed from the host in chunks.
+  whole_batch_loss : bool
+    Whether the step keeps the whole batch's outputs (never streamed).
+  cache : PlanCache, optional
+    The plans of earlier runs, by ``key_of(shared_args, inputs, targets, via_window)``.
+  key_of : callable, optional
+    The plan cache's key of a batch.
+
+  Examples
+  --------
+  The plan of a batch of 64 samples whose step needs ``1000 + 50 * micro_batch_size`` bytes, within 2,000
+  bytes (a stand-in for XLA's measure of the compiled step):
+
+  >>> import numpy as np
+  >>> from brainpy_accum.core import plan_micro_batches
+  >>> from brainpy_accum.memory._budget import StepMemory
+  >>> from brainpy_accum.memory._device import Budget
+  >>> from brainpy_accum.memory._planner import Compilers, PlannedModel, Planner
+  >>> class Layout:
+  ...   batch_size = 64
+  >>> model = PlannedModel(check_batch=lambda x, y: Layout(), variables=lambda: [], reset=lambda n: None,
+  ...                      batched=lambda n: {}, fixed_bytes=lambda x, y: 1000)
+  >>> measure = lambda plan, *batch: StepMemory(1000 + 50 * plan.micro_batch_size, 1000)
+  >>> planner = Planner(model, Compilers(measure, None, keepable=lambda via_window: False,
+  ...                                    bytes_at_least=lambda *args: 0),
+  ...                   num_micro_batch='auto', budget=Budget(2000))
+  >>> planner.plan(np.zeros((64, 3)), np.zeros(64))  # doctest: +ELLIPSIS
+  memory plan: batch 64 = 4 x 16 (4 micro-batches), train step 1.8 KiB of memory_budget 2.0 KiB
+  MicroBatchPlan(batch_size=64, micro_batch_size=16, ...)
+  """
+
+  def __init__(self, model: PlannedModel, compilers: Compilers, *, num_micro_batch: Union[int, str, None] = 1,
+               micro_batch_size: Optional[int] = None, budget: Optional[Budget] = None,
+               remat: Union[bool, int, str] = False, devices: int = 1, mesh_axis: Optional[str] = None,
+               streams: bool = False, whole_batch_loss: bool = False, cache: Optional[PlanCache] = None,
+               key_of: Optional[Callable[..., dict]] = None):
+    self.model, self.num_micro_batch, self.micro_batch_size = model, num_micro_batch, micro_batch_size
+    self.compilers = compilers._replace(step_bytes=self._measured(compilers.step_bytes, trial=False),
+                                        trial=self._measured(compilers.trial, trial=True))
+    self.budget_of, self.remat, self.devices, self.mesh_axis = budget, remat, devices, mesh_axis
+    self.streams, self.whole_batch_loss, self.cache, self.key_of = streams, whole_batch_loss, cache, key_of
+    self.memory_plans: Dict[int, Tuple[MicroBatchPlan, int]] = {}  # batch (or chunk) size -> (plan, bytes)
+    self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
+    self.weighed_plans: Dict[int, List[Candidate]] = {}  # remat='auto': every candidate weighed, per share
+    self.finer_plans: Dict[int, MicroBatchPlan] = {}  # batch sizes cut finer after running out of memory
+    self._largest_micro: Dict[int, int] = {}  # batch (or chunk) size -> the largest micro-batch that fits
+    self._through_window: set = set()  # sizes planned for their step through the window (a streamed chunk's)
+
+  # ------------------------------------------------------------------ the plan of a batch size
+
+  @property
+  def budget(self) -> Optional[int]:
+    """The memory budget in bytes (``None`` without one); the device's is worked out at its first use."""
+    if self.budget_of is None:
+      return None
+    held = sum(int(getattr(v.value, 'nbytes', 0)) for v in self.model.variables() if isinstance(v.value, jax.Array))
+    return self.budget_of.bytes(held=held)
+
+  def share_size(self, batch_size: int) -> int:
+    """Samples each device holds of a batch of ``batch_size``."""
+    return batch_size if self.mesh_axis is None else check_divisible(batch_size, self.devices, self.mesh_axis)
+
+  def plan_for(self, batch_size: int) -> MicroBatchPlan:
+    """The micro-batches a batch of ``batch_size`` samples is cut into (of each device's share, on a mesh);
+    with ``'auto'`` the batch size must have been planned (:meth:`plan`)."""
+    if batch_size in self.finer_plans:
+      return self.finer_plans[batch_size]
+    if self.num_micro_batch != 'auto':
+      return plan_micro_batches(self.share_size(batch_size), num_micro_batch=self.num_micro_batch,
+                                micro_batch_size=self.micro_batch_size)
+    if batch_size not in self.memory_plans:
+      raise ValueError(f'No micro-batch plan for {batch_size=} yet under {self.budget_of.named()}: call '
+                       f'trainer.plan_memory(inputs, targets) with a batch of that size first (fit does this itself).')
+    return self.memory_plans[batch_size][0]
+
+  def known_plan(self, batch_size: int) -> Optional[MicroBatchPlan]:
+    """The plan of ``batch_size`` if it has one already (cut finer, or planned), else ``None``."""
+    return self.finer_plans.get(batch_size) or self.memory_plans.get(batch_size, (None,))[0]
+
+  def describe(self, batch_size: int) -> str:
+    """How a batch of ``batch_size`` samples is cut, as the report line shows it."""
+    plan = self.plan_for(batch_size)
+    if self.mesh_axis is None:
+      return plan.describe()
+    return f'batch {batch_size} = {self.devices} devices x ({plan.describe_cuts()})'
+
+  def finer(self, batch_size: int) -> str:
+    """After the device ran out of memory: twice the micro-batches for ``batch_size``; says what changed."""
+    before, plan = self.describe(batch_size), self.plan_for(batch_size)
+    self.finer_plans[batch_size] = finer_plan(plan)._replace(remat=plan.remat)
+    return f'{before} now runs as {self.describe(batch_size)}'
+
+  def is_cached(self, shared_args, inputs, targets) -> bool:
+    """Whether the plan cache has a file for this batch's plan (not read: planning reads and checks it)."""
+    key = self._key(shared_args, inputs, targets, False)
+    return key is not None and os.path.exists(self.cache.path(key))
+
+  # ------------------------------------------------------------------ planning
+
+  def plan(self, inputs: Any, targets: Any, shared_args: Optional[dict] = None, *,
+           step_time: Optional[Callable] = None, streams: Optional[bool] = None,
+           via_window: bool = False) -> MicroBatchPlan:
+    """Plan this batch's size (``num_micro_batch='auto'``), once: see the module's docstring.
+
+    ``step_time(plans) -> seconds`` replaces ``remat='auto'``'s trial steps; ``streams``: whether the batch may
+    be streamed (default: the planner's ``streams``); ``via_window``: the batch is a streamed batch's chunk,
+    whose step passes through the window. Raises ``ValueError`` if not even one sample per micro-batch fits.
+    """
+    if self.num_micro_batch != 'auto':
+      raise ValueError(f"plan_memory needs num_micro_batch='auto'; this trainer has "
+                       f"num_micro_batch={self.num_micro_batch!r}, micro_batch_size={self.micro_batch_size!r}.")
+    streams = self.streams if streams is None else streams
+    layout = self.model.check_batch(inputs, targets)
+    batch_size = layout.batch_size
+    if batch_size in self.stream_chunks:
+      return self.memory_plans[self.stream_chunks[batch_size]][0]
+    if batch_size in self.memory_plans and not (via_window and self._plan_again_through_window(batch_size)):
+      return self.memory_plans[batch_size][0]
+    request = _Request(layout, shared_args, inputs, targets, step_time, self.compilers)
+    fixed = self.model.fixed_bytes(inputs, targets)
+    if streams and batch_size > 1 and fixed > self.budget:
+      # arithmetic, no compilation: the step's arguments and updated parameters alone exceed the budget,
+      # so no cut of it fits
+      return self._stream(request, None)
+    self._check_whole_batch_fits(batch_size, fixed)
+    try:
+      with values_restored(self.model.variables(), any_shape=True):  # the reset draws random numbers: put back
+        if self.mesh_axis is None:  # (on a mesh fit has placed the state, at the batch size, before planning)
+          self.model.reset(batch_size)  # the search compiles the whole batch's step: the state at that size
+        self._plan_batch(request, via_window=via_window)
+    except ValueError as error:
+      if not streams or batch_size == 1:
+        raise
+      return self._stream(request, error)
+    return self.memory_plans[batch_size][0]
+
+  def _check_whole_batch_fits(self, batch_size: int, fixed: int) -> None:
+    """``whole_batch_loss=True`` keeps the whole batch on the device: refuse, by arithmetic, data that cannot fit."""
+    budget = self.budget
+    if self.whole_batch_loss and self.mesh_axis is None and fixed > budget:
+      raise ValueError(f'{self.budget_of.named()} ({budget} bytes) is too small for batch {batch_size}: its '
+                       f'data, the Variables and the updated parameters alone take at least {format_memory(fixed)} '
+                       f'({fixed} bytes), and whole_batch_loss=True keeps the whole batch on the device (it is not '
+                       f'streamed from the host in chunks). Raise memory_budget above {fixed}, or pass smaller '
+                       f'batches.')
+
+  def _measured(self, compile_: Callable, trial: bool) -> Callable:
+    """``compile_`` (a quick probe, or with ``trial`` a compilation for training), with XLA's refusal of a
+    program too large for the device taken as a measurement: the candidate does not fit, with the size the
+    refusal names (at least the budget plus one)."""
+
+    def measured(plan, *batch):
+      try:
+        return compile_(plan, *batch)
+      except Exception as error:  # noqa: BLE001 -- only the device's out-of-memory refusal is a measurement
+        if not is_out_of_memory(error):
+          raise
+        memory = StepMemory(refused_bytes(error, self.budget + 1), 0)
+        return _refused(memory) if trial else memory
+
+    return measured
+
+  def _plan_batch(self, request: _Request, via_window: bool = False,
+                  unkept: Optional[Dict[int, PlannedStep]] = None) -> None:
+    """Plan one batch (or streamed chunk) whose step holds all of it; raises ``ValueError`` if none fits.
+
+    The search probes a few sizes with quick compilations; the pick is then compiled as training runs it, and
+    that compilation's memory analysis must fit the budget (else the pick is corrected downwards). Training
+    runs that very executable: no second compilation (``unkept``, given, receives it instead, for the caller to
+    keep: a streamed batch keeps only its chunk's).
+    """
+    batch_size, share = request.layout.batch_size, self.share_size(request.layout.batch_size)
+    key = None if request.step_time is not None else self._key(*request.batch, via_window)
+    if self._plan_from_cache(key, request, via_window, unkept):
+      self._note_window(batch_size, via_window)
+      return
+    try:
+      if self.remat == 'auto':
+        size, used, remat, planned = self._plan_fastest(share, request, via_window)
+      else:
+        (size, used, planned), remat = self._plan_fewest(share, request, via_window), None
+    except ValueError as error:
+      if self.mesh_axis is None:
+        self._store(key, {'fits': False, 'error': str(error)})
+        raise
+      raise ValueError(f'{error} With the mesh, each of the {self.devices} devices holds {share} samples of the '
+                       f'batch of {batch_size}, and memory_budget is per device.') from None
+    # the largest micro-batch that fits (with remat='auto' the fastest plan may cut finer): how streaming ranks chunks
+    largest = size if remat is None else max(c.micro_batch_size for c in self.weighed_plans[share] if c.fits)
+    self._store(key, {'fits': True, 'micro_batch_size': size, 'remat': remat, 'bytes': used, 'largest': largest})
+    self._largest_micro[batch_size] = largest
+    self._set_plan(batch_size, plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat), used, planned,
+                   unkept=unkept)
+    self._note_window(batch_size, via_window)
+
+  def _note_window(self, batch_size: int, via_window: bool) -> None:
+    """Record that ``batch_size`` was planned for its step through the window, which needs more than the plain
+    step (its sums): such a plan serves both."""
+    if via_window:
+      self._through_window.add(batch_size)
+
+  def _plan_again_through_window(self, batch_size: int) -> bool:
+    """Whether ``batch_size``, now a streamed chunk, must be planned (again) for its step through the window:
+    a plan of the plain step, made for a batch of that size, does not say that the window's step fits. The
+    plain step kept from that planning is dropped, so that fit runs the new plan's."""
+    if batch_size in self.memory_plans and batch_size in self._through_window:
+      return False
+    self.compilers.unkeep(batch_size)
+    return True
+
+  def _set_plan(self, batch_size: int, plan: MicroBatchPlan, used: int, planned: Optional[PlannedStep],
+                cached: bool = False, unkept: Optional[Dict[int, PlannedStep]] = None) -> None:
+    """Record (and print) the plan of ``batch_size``; fit runs ``planned``, the step compiled for it, if given
+    (unless ``unkept`` is given: then it is put there, for the caller to keep or not)."""
+    self.memory_plans[batch_size] = (plan, used)
+    if planned is not None and unkept is not None:
+      unkept[batch_size] = planned
+    elif planned is not None:
+      planned.keep()
+    source = ' (from the plan cache, its compiled step measured again)' if cached else ''
+    per_device = '' if self.mesh_axis is None else ' per device'
+    tqdm.write(f'memory plan: {self.describe(batch_size)} ({plural(plan.num_micro_batches, "micro-batch")}), '
+               f'train step {format_memory(used)}{per_device} of {self.budget_of.describe()}{source}')
+
+  def _plan_fewest(self, share: int, request: _Request, via_window: bool) -> Tuple[int, int, Optional[PlannedStep]]:
+    """``(micro_batch_size, bytes, compiled step or None)``: the fewest micro-batches whose step fits.
+
+    Sizes the search predicts to be the answer are compiled as training runs them (when fit can run that
+    executable), the others quickly; an answer measured quickly is compiled for training afterwards, and
+    its memory must fit too, else the search goes on below it.
+    """
+    plan_of = lambda size: plan_micro_batches(share, micro_batch_size=size)
+    keepable, kept, budget = request.compilers.keepable(via_window), {}, self.budget
+
+    def probe(size):
+      return request.compilers.step_bytes(plan_of(size), *request.batch, via_window)
+
+    def compile_for_training(size):
+      kept[size] = request.compilers.trial(plan_of(size), *request.batch, via_window)
+      return kept[size].memory
+
+    guess = None if request.compilers.guess(plan_of(share)) is None else (
+      lambda size: request.compilers.guess(plan_of(size)))
+    below = None
+    while True:
+      size, used = choose_micro_batch_size(share, budget, probe, below=below, guess=guess,
+                                           measure_pick=compile_for_training if keepable else None)
+      if not keepable:
+        return size, used, None  # fit runs a step of its own (a window, a mesh): the probe's figure is XLA's measure
+      planned = kept.get(size) or request.compilers.trial(plan_of(size), *request.batch, via_window)
+      if planned.memory.total <= budget:
+        return size, planned.memory.total, planned
+      tqdm.write(f'memory plan: micro-batches of {size} need {format_memory(planned.memory.total)} compiled for '
+                 f'training, not the {format_memory(used)} of the quick compilation; searching below')
+      below = size
+
+  def _plan_fastest(self, share: int, request: _Request, via_window: bool = False
+                    ) -> Tuple[int, int, Union[bool, int], Optional[PlannedStep]]:
+    """``remat='auto'``: ``(micro_batch_size, bytes, remat, compiled step)`` of the fastest plan that fits, its
+    table printed.
+
+    Only the largest fitting micro-batch of each remat option is weighed: those are the candidates that can
+    win, since a finer cut of the same remat does the same work in more, smaller sequential steps. The
+    search compiles the sizes it predicts to be the answer as training runs them, so the candidates timed are
+    already compiled, their compilation's memory is the figure that must fit, and training runs the winner's
+    executable.
+    """
+    compiled, budget = {}, self.budget
+    plan_of = lambda size, remat: plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+
+    def compile_(size, remat):
+      if (size, remat) not in compiled:
+        compiled[size, remat] = request.compilers.trial(plan_of(size, remat), *request.batch, via_window)
+      return compiled[size, remat]
+
+    probe = lambda size, remat: request.compilers.step_bytes(plan_of(size, remat), *request.batch, via_window)
+    timed = functools.partial(self._timed, request, plan_of, compile_)
+    guess = None if request.compilers.guess(plan_of(share, False)) is None else (
+      lambda size, remat: request.compilers.guess(plan_of(size, remat)))
+    chosen, weighed = choose_fastest_plan(share, budget, probe, timed, finer=0, guess=guess,
+                                          measure_pick=lambda size, remat: compile_(size, remat).memory)
+    if chosen.seconds == float('inf'):
+      raise ValueError(f'{self.budget_of.named()}: no plan fits when compiled for training, although quick '
+                       f'compilations said so. Raise memory_budget.')
+    self.weighed_plans[share] = weighed
+    tqdm.write(describe_choice(share, budget, chosen, weighed))
+    planned = compiled.get((chosen.micro_batch_size, chosen.remat))
+    if planned is None and request.compilers.keepable(via_window):  # measured by a quick probe: compile it for training
+      planned = compile_(chosen.micro_batch_size, chosen.remat)
+      if planned.memory.total > budget:
+        raise ValueError(f'{self.budget_of.named()}: the chosen plan needs {format_memory(planned.memory.total)} '
+                         f'compiled for training, although a quick compilation measured '
+                         f'{format_memory(chosen.bytes)}. Raise memory_budget.')
+    used = chosen.bytes if planned is None else planned.memory.total
+    return chosen.micro_batch_size, used, chosen.remat, planned
+
+  def _timed(self, request: _Request, plan_of: Callable, compile_: Callable, pairs) -> List[float]:
+    """Seconds of a trial step of each ``(size, remat)`` of ``pairs`` (``step_time``'s, if given); a candidate
+    that does not fit once compiled for training (the quick probe measured otherwise) is never chosen."""
+    if request.step_time is not None:
+      return request.step_time([plan_of(s, r) for s, r in pairs])
+    steps = [compile_(*pair) for pair in pairs]
+    request.compilers.before_timing()
+    # two interleaved runs each, the faster kept: the first run of a new executable is the slow one (about
+    # 20% on CPU), so this is the second's time, for one run less per candidate than a warm-up and two rounds
+    seconds = time_steps([step.run for step in steps], rounds=2, warm_up=False, estimate=min)
+    return [t if step.memory.total <= self.budget else float('inf') for t, step in zip(seconds, steps)]
+
+  # ------------------------------------------------------------------ streaming
+
+  def plan_chunk(self, inputs: Any, targets: Any, shared_args: Optional[dict] = None) -> MicroBatchPlan:
+    """The plan of a streamed batch's chunk: the shorter last one has a plan of its own, for its step through
+    the window (the step fit runs for it, and keeps from planning)."""
+    return self.plan(inputs, targets, shared_args, streams=False, via_window=True)
+
+  def _stream(self, request: _Request, error: Optional[ValueError]) -> MicroBatchPlan:
+    """The batch's data does not fit beside its step: stream it from the host in chunks (the chunk size:
+    :class:`~brainpy_accum.memory._chunks.ChunkSearch`'s)."""
+    batch_size, budget = request.layout.batch_size, self.budget
+    search = ChunkSearch(request.layout, request.batch, budget, self.compilers, self.model,
+                         remat_options=(False, True) if self.remat == 'auto' else (None,),
+                         plan_chunk=functools.partial(self._chunk_micro_batch, request))
+    key = None if request.step_time is not None else self._key(*request.batch, False)
+    key = None if key is None else dict(key, streamed=True)  # the choice of chunk, beside the batch's own plans
+    need = None
+    with values_restored(self.model.variables(), any_shape=True):  # resets draw random numbers: all put back
+      chunk = self._cached_chunk(key, batch_size, search.micro_batch_of)
+      if chunk is None:
+        chunk = best_chunk(batch_size, search.micro_batch_of, can_hold=search.can_hold, first=search.guessed())
+        if chunk is not None:
+          self._store(key, {'stream_chunk': chunk})
+        else:
+          need = search.one_sample_need()
+    if chunk is None:
+      return self._not_streamed(request, error, need)
+    self.stream_chunks[batch_size] = chunk
+    if chunk in search.unkept:  # fit runs it for each batch's last chunk
+      search.unkept[chunk].keep()
+    plan, used = self.memory_plans[chunk]
+    tqdm.write(f'memory plan: batch {batch_size} does not fit {self.budget_of.describe()} with its data on the '
+               f'device; streamed from the host in chunks of {chunk} ({plan.describe()}, train step '
+               f'{format_memory(used)}), one update per batch')
+    return plan
+
+  def _not_streamed(self, request: _Request, error: Optional[ValueError], need: Optional[int]) -> MicroBatchPlan:
+    """No chunk fits: the error that names what streaming one sample at a time needs (``need``), or the whole
+    batch's own (planning it, where arithmetic skipped it)."""
+    budget, batch_size = self.budget, request.layout.batch_size
+    if need is not None and need > budget:  # the whole batch's error would name the need of the unstreamed step
+      raise ValueError(f'{self.budget_of.named()} ({budget} bytes) is too small for batch {batch_size}: its step '
+                       f'does not fit with its data on the device, and streamed from the host one sample at a '
+                       f'time it needs about {format_memory(need)} ({need} bytes). Raise memory_budget to at '
+                       f'least {need}' + (', or use remat=True.' if not self.remat else '.'))
+    if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
+      self._plan_batch(request)
+      return self.memory_plans[batch_size][0]
+    raise error
+
+  def _chunk_micro_batch(self, request: _Request, chunk: int, chunk_data: Callable, compilers: Compilers,
+                         unkept: Dict[int, PlannedStep]) -> Optional[int]:
+    """The largest micro-batch whose step through the window fits a chunk of ``chunk`` samples of
+    ``request``'s batch (planned now, with ``compilers``, if it was not for that step), ``None`` if none;
+    ``chunk_data()``: ``(inputs, targets)`` of such a chunk, with the model's state at its size, or ``None``
+    where its fixed bytes alone exceed the budget."""
+    if self._plan_again_through_window(chunk):
+      chunk_data = chunk_data()
+      if chunk_data is None:
+        return None
+      try:
+        layout = self.model.check_batch(*chunk_data)
+        self._plan_batch(_Request(layout, request.shared_args, *chunk_data, request.step_time, compilers),
+                         via_window=True, unkept=unkept)
+      except ValueError:
+        return None
+    return self._largest_micro[chunk]
+
+  # ------------------------------------------------------------------ the plan cache
+
+  def _key(self, shared_args, inputs, targets, via_window: bool) -> Optional[dict]:
+    """Everything a plan depends on, as JSON, or ``None`` where plans are not cached (no cache, a mesh)."""
+    if self.cache is None or self.key_of is None or self.mesh_axis is not None:
+      return None
+    return self.key_of(shared_args, inputs, targets, via_window, self.budget)
+
+  def _store(self, key: Optional[dict], plan: dict) -> None:
+    if key is not None:
+      self.cache.put(key, plan)
+
+  def _plan_from_cache(self, key: Optional[dict], request: _Request, via_window: bool,
+                       unkept: Optional[Dict[int, PlannedStep]] = None) -> bool:
+    """Use the cached plan for ``key`` if there is one and its step, compiled again, still fits; True if used.
+
+    A cached plan is never trusted: the step is compiled (for training where fit can run it, quickly
+    otherwise) and must fit the budget by XLA's measure, else a one-line warning and planning anew. A cached
+    'does not fit' (the same step measured by an earlier run) raises its error again, for streaming to go on.
+    """
+    entry = None if key is None else self.cache.get(key)
+    if entry is None:
+      return False
+    if entry.get('fits') is False and isinstance(entry.get('error'), str):
+      raise ValueError(entry['error'])
+    batch_size = request.layout.batch_size
+    plan = _cached_plan(entry, self.share_size(batch_size))
+    if plan is None:
+      warnings.warn(f'plan cache: ignored an entry for batch {batch_size} that does not describe a plan of it; '
+                    f'planning anew.', UserWarning, stacklevel=2)
+      return False
+    if request.compilers.keepable(via_window):
+      planned = request.compilers.trial(plan, *request.batch, via_window)
+      used = planned.memory.total
+    else:
+      planned, used = None, memory_parts(request.compilers.step_bytes(plan, *request.batch, via_window))[0]
+    if used > self.budget:
+      warnings.warn(f'plan cache: the cached plan for batch {batch_size} ({plan.describe_cuts()}) needs '
+                    f'{format_memory(used)} now, over {self.budget_of.describe()}; planning anew.', UserWarning,
+                    stacklevel=2)
+      return False
+    self._largest_micro[batch_size] = max(plan.micro_batch_size, entry.get('largest', plan.micro_batch_size))
+    self._set_plan(batch_size, plan, used, planned, cached=True, unkept=unkept)
+    return True
+
+  def _cached_chunk(self, key: Optional[dict], batch_size: int, micro_batch_of: Callable[[int], Optional[int]]
+                    ) -> Optional[int]:
+    """The chunk size an earlier run chose to stream a batch in, if the plan cache has it and its step still
+    fits (``micro_batch_of`` plans it: from the cache too, its step compiled again and measured); else ``None``."""
+    entry = None if key is None else self.cache.get(key)
+    if entry is None:
+      return None
+    chunk = entry.get('stream_chunk')
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk not in chunk_candidates(batch_size):
+      warnings.warn(f'plan cache: ignored an entry for streaming batch {batch_size} that does not name a chunk '
+                    f'size of it; planning anew.', UserWarning, stacklevel=2)
+      return None
+    if micro_batch_of(chunk) is None:
+      warnings.warn(f'plan cache: the cached chunk size {chunk} for streaming batch {batch_size} does not fit '
+                    f'{self.budget_of.describe()} now; planning anew.', UserWarning, stacklevel=2)
+      return None
+    return chunk
+
+
+def _cached_plan(entry: dict, share: int) -> Optional[MicroBatchPlan]:
+  """The plan a plan-cache entry describes for a share of ``share`` samples, or ``None`` if it describes none."""
+  size, remat = entry.get('micro_batch_size'), entry.get('remat')
+  largest = entry.get('largest', size)
+  if not (isinstance(size, int) and 1 <= size <= share and (remat is None or isinstance(remat, (bool, int)))
+          and isinstance(largest, int) and 1 <= largest <= share):
+    return None
+  return plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+
+
+def _refused(memory: StepMemory) -> PlannedStep:
+  """A step XLA refused to compile for the device: its memory (over the budget), never run, never kept."""
+
+  def run():
+    raise RuntimeError('A step that does not fit the device is never run.')
+
+  return PlannedStep(memory, run, lambda: None)

@@ -1,0 +1,295 @@
+"""The trainer's compiled steps: the train step of a plan, jitted for fit, compiled ahead of time for the planner.
+
+:class:`CompiledSteps` builds every step a trainer runs from one function of one batch (:meth:`~CompiledSteps.train`:
+:mod:`~brainpy_accum.trainer._step`'s sums, settled, then the update), and keeps what fit runs: the jitted
+steps (``'fit'``, ``'loss'``, ``'collect'``, ``'close'``) and the executables the planner compiled for a batch
+size, run instead of compiling again. It gives the planner its :class:`~brainpy_accum.memory._planner.Compilers`.
+What it computes with (the model, the loss, the plan of a batch size, the window) it receives as
+:class:`StepParts`; its options as :class:`StepOptions`.
+"""
+
+import contextlib
+import functools
+from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Tuple
+
+import brainpy.math as bm
+import brainstate
+import brainstate.environ
+import jax
+import jax.numpy as jnp
+from brainpy import tools
+from jax.sharding import Mesh
+
+from ..core._combine import same_type
+from ..core._cut import MicroBatchPlan
+from ..core._metrics import WHOLE_METRICS, MetricPlan, metric_plan_of
+from ..core._mesh import random_states
+from ..core._shapes import traced_shapes
+from ..core._states import whole_batch_variables
+from ..core._two_pass import Devices, two_pass_sums
+from ..diagnostics._compiles import QUICK_COMPILE
+from ..memory._budget import StepMemory, step_memory
+from ..memory._live import temp_bytes_at_least
+from ..memory._planner import Compilers, PlannedStep
+from ._sharded import on_mesh, split_variables
+from ._step import Settled, batch_sums, clip_by_global_norm, guarded_update, micro_step, same, settle
+
+__all__ = ['CompiledSteps', 'StepOptions', 'StepParts', 'fit_args']
+
+
+class StepOptions(NamedTuple):
+  """The trainer's options that shape its steps."""
+  grad_reduction: str
+  skip_nonfinite: bool
+  clip_grad_norm: Optional[float]
+  accumulate_steps: Any
+  whole_batch_loss: bool
+  loss_has_aux: bool
+  aux_reduction: dict
+  mesh: Optional[Mesh]
+  mesh_axis: Optional[str]
+  devices: int
+
+
+class StepParts(NamedTuple):
+  """What the steps compute with, handed over by the trainer.
+
+  ``model``, ``optimizer``: the trained DynamicalSystem and its optimizer; ``check_batch(inputs, targets) ->
+  BatchLayout``; ``plan_for(batch_size) -> MicroBatchPlan``; ``loss_and_aux(shared_args, inputs, targets)``,
+  ``forward(shared_args) -> forward(micro_args, size)``, ``loss_of(predicts, targets)``, ``weigh(micro_args,
+  size)``: the model's loss (:mod:`~brainpy_accum.trainer._model_loss`); ``tracing(plan)``: the context a plan's
+  step is traced in (its remat); ``quiet()``: tracing without per-time-step progress bars; ``window``: the
+  accumulation window (or ``None``); ``skipped``: the Variable counting skipped updates; ``jit``: the trainer's
+  jit flags by phase; ``fixed_bytes(inputs, targets)``: a lower bound of a step's fixed bytes;
+  ``note_compilations(phase, count)``: XLA compilations that count as a phase's (a kept step's are fit's).
+  """
+  model: Any
+  optimizer: Any
+  check_batch: Callable
+  plan_for: Callable[[int], MicroBatchPlan]
+  loss_and_aux: Callable
+  forward: Callable
+  loss_of: Callable
+  weigh: Callable
+  tracing: Callable[[Optional[MicroBatchPlan]], ContextManager]
+  quiet: Callable[[], ContextManager]
+  window: Any
+  skipped: Any
+  jit: dict
+  fixed_bytes: Callable[[Any, Any], int]
+  note_compilations: Callable[[str, int], None]
+
+
+def fit_args(shared_args: Optional[dict] = None) -> tools.DotDict:
+  """The shared arguments of a train step: ``fit=True`` unless given."""
+  return tools.DotDict({'fit': True, **(shared_args or {})})
+
+
+class CompiledSteps:
+  """Every step the trainer runs, jitted or compiled ahead of time, and the executables kept from planning.
+
+  Attributes
+  ----------
+  trace_counts : dict
+    How many times the train step (``'fit'``) and the evaluation step (``'loss'``) were traced.
+  """
+
+  def __init__(self, parts: StepParts, options: StepOptions):
+    self.parts, self.options = parts, options
+    self.trace_counts = {'fit': 0, 'loss': 0}
+    self.metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
+    self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
+    self.rebuild()
+
+  def rebuild(self) -> None:
+    """Fresh jitted steps: they trace again, with the current plans; no kept executable."""
+    self._jitted = {kind: bm.jit(functools.partial(self._traced, kind), static_argnums=(0,))
+                    for kind in ('fit', 'loss', 'collect', 'close')}
+    # (kind, batch size) -> the planner's compiled step, which fit runs: 'fit', or 'close' (a streamed batch's
+    # last chunk, whose step is the one the planner compiles for a chunk)
+    self._kept: Dict[Tuple[str, int], Any] = {}
+
+  def jitted(self, kind: str) -> Callable:
+    """The ``kind`` step (``'fit'``, ``'loss'``, ``'collect'`` or ``'close'``): jitted unless ``jit`` says
+    otherwise."""
+    phase = 'loss' if kind == 'loss' else 'fit'
+    return self._jitted[kind] if self.parts.jit[phase] else functools.partial(self._traced, kind)
+
+  def step(self, kind: str) -> Callable:
+    """The compiled step that the fit loop runs: the planner's kept executable for the batch size, if any."""
+    jitted = self.jitted(kind)
+    if not any(kept == kind for kept, _ in self._kept):
+      return jitted
+
+    def kept_or_jitted(shared_args, inputs, targets):
+      step = self._kept.get((kind, self.parts.check_batch(inputs, targets).batch_size), jitted)
+      return step(shared_args, inputs, targets)
+
+    return kept_or_jitted
+
+  def _traced(self, kind: str, shared_args, inputs, targets):
+    self.trace_counts['loss' if kind == 'loss' else 'fit'] += 1
+    if kind == 'loss':
+      done = self._run_batch(shared_args, inputs, targets, with_grads=False)
+      return (done.loss, done.aux) if self.options.loss_has_aux else done.loss
+    return self.train(shared_args, inputs, targets, update=kind != 'collect', via_window=kind != 'fit')
+
+  # ------------------------------------------------------------------ one batch
+
+  def train(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True,
+            via_window: bool = False):
+    """The train step of one batch: its gradient (cut by ``plan``, default the batch size's), then the update."""
+    via_window = via_window or self.options.accumulate_steps != 1
+    if via_window and update is True and self.options.mesh is None:  # through the window, its flag says whether
+      update = self.parts.window.closes.value  # it closes: one compiled step for both (on a mesh, the step that
+      # only collects does without the devices' all-reduce, so it is a program of its own)
+    done = self._run_batch(shared_args, inputs, targets, with_grads=True, update=update, plan=plan,
+                           via_window=via_window)
+    skipped = self.parts.skipped
+    if done.finite is not None:
+      skipped.value += jnp.where(done.finite, 0, 1).astype(skipped.dtype)
+    if done.grads is not None:
+      params = self.parts.model.train_vars().unique()
+      grads = {k: same_type(g, params[k].value) for k, g in done.grads.items()}
+      if self.options.clip_grad_norm is not None:
+        grads = clip_by_global_norm(grads, self.options.clip_grad_norm)
+      guarded_update(self.parts.optimizer, dict(params), grads, done.apply)
+    return (done.loss, done.aux) if self.options.loss_has_aux else (done.loss,)
+
+  def _run_batch(self, shared_args, inputs, targets, with_grads: bool, update: bool = True,
+                 plan: Optional[MicroBatchPlan] = None, via_window: bool = False) -> Settled:
+    """One batch through :mod:`~brainpy_accum.trainer._step`: this device's sums, then settled (on a mesh: in
+    ``shard_map``)."""
+    parts, options = self.parts, self.options
+    layout = parts.check_batch(inputs, targets)
+    plan = plan or parts.plan_for(layout.batch_size)
+    window = parts.window if with_grads and via_window else None
+    alone = options.mesh is None and window is None
+    params = parts.model.train_vars().unique() if with_grads else None
+    two_passes = self._two_passes(shared_args, targets, params) if options.whole_batch_loss else None
+    axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
+    one_piece = alone and plan.num_micro_batches == 1
+    with whole_batch_variables(parts.model, layout.batch_size, whole=not one_piece) as states, \
+         parts.tracing(plan):  # remat='auto': this plan's remat in the traced time loop
+      if not one_piece:
+        self.check_flat_states(shared_args, (inputs, targets), axes, plan, states, layout.batch_size)
+      whole = one_piece or (two_passes is not None and (plan.num_micro_batches > 1 or not alone))
+      metrics = WHOLE_METRICS if whole else self._metric_plan(shared_args, (inputs, targets), axes, plan, states)
+      sums_of = functools.partial(batch_sums, micro_step(parts.loss_and_aux, shared_args, params, parts.weigh),
+                                  axes=axes, plan=plan, states=states, params=params, alone=alone,
+                                  two_passes=two_passes, metrics=metrics)
+      finish = functools.partial(settle, reduction=options.grad_reduction, skip_nonfinite=options.skip_nonfinite
+                                 and with_grads, window=window, update=update, metrics=metrics)
+      if options.mesh is None:
+        return finish(sums_of((inputs, targets)), same)
+      specs = dict(split_variables(parts.model, window, options.mesh_axis, layout.batch_size))
+      return on_mesh(sums_of, finish, options.mesh, options.mesh_axis, (inputs, targets), axes, specs,
+                     random_states(parts.model))
+
+  def check_flat_states(self, shared_args, args, axes, plan: MicroBatchPlan, states, batch_size: int) -> None:
+    """One-dimensional ``(batch_size,)`` states without a ``batch_axis`` are never cut (a per-neuron statistic
+    may have the batch's size); if the model fails on a micro-batch with them, say which and how to fix it,
+    instead of JAX's shape error from inside the model (traced only: nothing runs)."""
+    flat = [name for name, var in self.parts.model.vars().unique().items()
+            if not isinstance(var, (bm.TrainVar, brainstate.random.RandomState))
+            and getattr(var, 'batch_axis', None) is None and jnp.shape(var.value) == (batch_size,)]
+    if not flat or batch_size < 2:
+      return
+    try:
+      traced_shapes(self.parts.forward(shared_args), args, axes, states, (plan.micro_batch_size,))
+    except Exception as error:
+      raise ValueError(f'Model state {", ".join(flat)} of shape ({batch_size},) has no batch_axis, so micro-batches '
+                       f'do not cut it (one-dimensional states are never cut: a per-neuron statistic may have the '
+                       f'batch\'s size), and the model fails on a micro-batch of {plan.micro_batch_size} samples with '
+                       f'it ({type(error).__name__}: {str(error)[:160]}). If it holds one value per sample, declare '
+                       f'it with batch_axis=0 (bm.Variable(..., batch_axis=0)).') from None
+
+  def _metric_plan(self, shared_args, args, axes, plan: MicroBatchPlan, states) -> Optional[MetricPlan]:
+    """How each metric of ``loss_fun`` combines over ``plan``'s micro-batches (:mod:`~brainpy_accum.core._metrics`):
+    from the metrics' shapes at two micro-batch sizes, traced only (nothing runs, nothing changes)."""
+    if not self.options.loss_has_aux:
+      return None
+    key = (plan[:4], tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in
+                           jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, bm.Array))))
+    if key not in self._metric_plans:  # the train and evaluation steps of a batch shape trace it once
+      self._metric_plans[key] = metric_plan_of(
+        lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args)[1], args, axes, plan, states,
+        self.options.aux_reduction, self.options.grad_reduction)
+    self.metric_rules = self._metric_plans[key]
+    return self.metric_rules
+
+  def _two_passes(self, shared_args, targets, params):
+    """``whole_batch_loss=True``: the core's two passes (:mod:`~brainpy_accum.core._two_pass`) as
+    ``two_passes(args, axes, plan, states)``."""
+    model = self.parts.model
+    replayed = [v for v in model.vars().unique().values() if not isinstance(v, bm.TrainVar)]
+    replayed += [v for v in random_states(model) if all(v is not r for r in replayed)]
+    devices = None if self.options.mesh is None else Devices(self.options.mesh_axis, self.options.devices)
+    return functools.partial(two_pass_sums, self.parts.forward(shared_args),
+                             lambda p: self.parts.loss_of(p, targets), params, replayed, devices=devices)
+
+  # ------------------------------------------------------------------ compiled ahead of time
+
+  @contextlib.contextmanager
+  def for_plan(self, plan: Optional[MicroBatchPlan], update: bool = True, via_window: bool = False):
+    """The train step for ``plan``, jitted on its own (not fit's), to trace, lower or compile inside the
+    ``with``: the context its trace needs (no time-step bars, the plan's tracing)."""
+    step = bm.jit(functools.partial(self.train, plan=plan, update=update, via_window=via_window),
+                  static_argnums=(0,))
+    with self.parts.quiet(), self.parts.tracing(plan):
+      yield step
+
+  def compile(self, inputs, targets, shared_args: Optional[dict] = None, plan: Optional[MicroBatchPlan] = None,
+              update: bool = True, via_window: bool = False, quick: bool = False):
+    """The train step for this batch shape compiled ahead of time (see :meth:`AccumBPTT.compile_step`)."""
+    with self.for_plan(plan, update=update, via_window=via_window) as step:
+      return step.lower(fit_args(shared_args), inputs, targets).compile(
+        compiler_options=QUICK_COMPILE if quick else None)
+
+  def compilers(self, before_timing: Callable[[], None]) -> Compilers:
+    """What the planner compiles and times; ``before_timing()`` runs before trial steps are timed."""
+    return Compilers(self._probe, self._planned, self.keepable, self._bytes_at_least,
+                     unkeep=lambda batch_size: self._kept.pop(('fit', batch_size), None), before_timing=before_timing)
+
+  def _probe(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
+    """The planner's quick probe: the step's memory, compiled without optimising its code."""
+    return step_memory(self.compile(inputs, targets, shared_args, plan=plan, via_window=via_window, quick=True))
+
+  def _bytes_at_least(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
+    """A lower bound of the step's memory for ``plan``, from its trace alone (no compilation): the fixed bytes
+    known by arithmetic and the temporaries that its jaxpr's loops must hold (:mod:`~brainpy_accum.memory._live`).
+    0 on a mesh, where the figures are per device."""
+    if self.options.mesh is not None:
+      return 0
+    with self.for_plan(plan, via_window=via_window) as step:
+      jaxpr = step.stateful_fun.get_jaxpr(fit_args(shared_args), inputs, targets)
+    return self.parts.fixed_bytes(inputs, targets) + temp_bytes_at_least(jaxpr)
+
+  def keepable(self, via_window: bool) -> bool:
+    """Whether fit can run the planner's compiled step itself, jitted, without a mesh or an ``accumulate_steps``
+    window: the train step, or through the window (``via_window``) the step of a streamed batch's last chunk."""
+    return self.options.accumulate_steps == 1 and self.options.mesh is None and bool(self.parts.jit['fit'])
+
+  def _planned(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> PlannedStep:
+    """The train step compiled for ``plan`` as fit runs it; its ``keep()`` makes fit run this executable for the
+    batch size, so that the planner's compilation is the training's (no second one)."""
+    batch_size, shared_args = self.parts.check_batch(inputs, targets).batch_size, fit_args(shared_args)
+    step = None
+
+    def traced(shared_args, inputs, targets):
+      if any(kept is step for kept in self._kept.values()):  # a retrace of a kept step counts as fit's
+        self.trace_counts['fit'] += 1
+      return self.train(shared_args, inputs, targets, plan=plan, via_window=via_window)
+
+    step = bm.jit(traced, static_argnums=(0,))
+    with self.parts.quiet(), self.parts.tracing(plan), brainstate.environ.context(fit=True):
+      compiled = step.compile(shared_args, inputs, targets)  # the jit's own call runs this executable
+      values = step.stateful_fun.get_state_trace(shared_args, inputs, targets).get_state_values()
+
+    def keep():
+      if self.keepable(via_window):
+        self._kept['close' if via_window else 'fit', batch_size] = step
+        self.trace_counts['fit'] += 1  # its trace and compilation are fit's: fit will not repeat them
+        self.parts.note_compilations('fit', 1)
+
+    return PlannedStep(step_memory(compiled), lambda: jax.block_until_ready(compiled(values, inputs, targets)), keep)
