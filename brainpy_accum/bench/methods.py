@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..diagnostics._compiles import count_compilations
 from ..trainer import AccumBPTT
 from .workloads import Shape, jax_loss, jax_params, last_step_only, make_batch, make_brainpy_model
 
@@ -30,7 +31,19 @@ FIT = bp.tools.DotDict(fit=True)
 class Step(NamedTuple):
   run: Callable[[], None]          # one optimizer update, blocked until done
   compile: Callable[[], object]    # the step compiled ahead of time (jax.stages.Compiled)
-  compilations: Callable[[], int]  # XLA executables behind the step so far
+  compilations: Callable[[], int]  # XLA compilations its runs caused so far
+
+
+def _counted(run: Callable[[], None], compile_: Callable[[], object]) -> Step:
+  """A :class:`Step` of ``run`` and ``compile_``, counting the XLA compilations its runs cause."""
+  count = [0]
+
+  def counted_run():
+    with count_compilations() as compiled:
+      run()
+    count[0] += compiled()
+
+  return Step(counted_run, compile_, lambda: count[0])
 
 
 def _block(trainer, out):
@@ -53,7 +66,7 @@ def _trainer_step(trainer, shape: Shape, abstract_data: bool, workload: str = 'r
     trainer.target.reset(shape.batch)
     return trainer.f_train.compile(FIT, x, y)
 
-  return Step(run, compile_, lambda: trainer.f_train.jitted_fun._cache_size())
+  return _counted(run, compile_)
 
 
 def _mse(predicts, targets):
@@ -101,7 +114,7 @@ def _recipe_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
     model.reset(micro)
     return step.compile(xs, ys)
 
-  return Step(run, compile_, lambda: step.jitted_fun._cache_size())
+  return _counted(run, compile_)
 
 
 def _jax_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
@@ -127,8 +140,7 @@ def _jax_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
     state['params'], state['opt'], loss = step(state['params'], state['opt'], xs, ys)
     jax.block_until_ready((state['params'], loss))
 
-  return Step(run, lambda: step.lower(state['params'], state['opt'], xs, ys).compile(),
-              lambda: step._cache_size())
+  return _counted(run, lambda: step.lower(state['params'], state['opt'], xs, ys).compile())
 
 
 def build_step(method: str, workload: str, shape: Shape, num_micro_batch: int = 1, remat: bool = False,

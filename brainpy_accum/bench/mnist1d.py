@@ -331,6 +331,15 @@ def _epoch_seconds(trainer, batches) -> float:
   return time.perf_counter() - start
 
 
+def _regularised_bptt_bytes(spec: ModelSpec, x, y) -> int:
+  """XLA's memory of bp.BPTT's train step on the batch ``x, y``, with the rate-regularised loss."""
+  model = _build(spec, 0)
+  bptt = bp.BPTT(model, rate_regularised_cross_entropy, optimizer=bp.optim.Adam(lr=spec.lr), loss_has_aux=True,
+                 monitors={'spike': model.lif.spike}, progress_bar=False)
+  model.reset(len(y))
+  return compiled_step_bytes(bptt.f_train.compile(FIT, x, y))
+
+
 def rate_regulariser_row(spec: ModelSpec, data: Mnist1d, seed: int = 0, *, epochs: Optional[int] = None,
                          train_size: Optional[int] = None, log: Callable = print) -> dict:
   """The recurrent network with :func:`rate_regularised_cross_entropy`, trained with ``whole_batch_loss=True``.
@@ -367,11 +376,7 @@ def rate_regulariser_row(spec: ModelSpec, data: Mnist1d, seed: int = 0, *, epoch
   (plan, accum_bytes), (default_plan, default_bytes) = exact.memory_plans[batch], default.memory_plans[batch]
   log(f'rate regulariser seed {seed}: test accuracy {accuracy:.4f}, rate {rates[-1]:.3f}; default mode '
       f'warned: {bool(coupled)}', flush=True)
-  model = _build(spec, 0)
-  bptt = bp.BPTT(model, rate_regularised_cross_entropy, optimizer=bp.optim.Adam(lr=spec.lr), loss_has_aux=True,
-                 monitors={'spike': model.lif.spike}, progress_bar=False)
-  model.reset(batch)
-  bptt_bytes = compiled_step_bytes(bptt.f_train.compile(FIT, x_train[:batch], y_train[:batch]))
+  bptt_bytes = _regularised_bptt_bytes(spec, x_train[:batch], y_train[:batch])
   return {'model': spec.name + f' + batch-wide rate regulariser (f0={RATE_TARGET})', 'kind': spec.kind,
           'seed': seed, 'test_accuracy': accuracy, 'trainer': 'AccumBPTT whole_batch_loss=True', 'batch': batch,
           'memory_budget': spec.memory_budget, 'bptt_step_bytes': bptt_bytes,

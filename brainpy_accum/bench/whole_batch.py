@@ -197,23 +197,42 @@ def measure_workload(name: str, shape: Shape, rounds: int, log=print) -> dict:
     log(f'{name}: {_key(config):45s} memory {memory["total"] / MiB:8.2f} MiB (temp {memory["temp"] / MiB:8.2f})',
         flush=True)
 
-  def step(trainer):
-    def run():
-      _reset(trainer, shape.batch)
-      jax.block_until_ready((trainer.f_train(FIT, x, y), [v.value for v in _params(model).values()]))
-    return run
-
-  def forward(trainer):
-    def run():
-      _reset(trainer, shape.batch)
-      jax.block_until_ready(trainer.f_loss(FIT, x, y))
-    return run
-
-  runs = {key: step(t) for key, t in trainers.items()}
+  runs = {key: _stepping(t, shape.batch, x, y, model) for key, t in trainers.items()}
   forwards = {c.num_micro_batch: _key(c) for c in CONFIGS if c.method == 'accum' and not c.whole_batch_loss}
-  runs.update({f'forward N={n}': forward(trainers[key]) for n, key in forwards.items()})
+  runs.update({f'forward N={n}': _forwarding(trainers[key], shape.batch, x, y) for n, key in forwards.items()})
   times = interleaved_times(runs, rounds)
   base_key = _key(CONFIGS[0])
+  scale = _against_bptt(name, results, times, base_key, log)
+  forward_ratios = {n: ratio_stats(times[f'forward N={n}'], times[base_key]) for n in forwards}
+  # Extra time of the two passes over the default mode at the same N, in forward passes, round by round.
+  extra = {}
+  for n in forwards:
+    two, one = times[_key(Config(CONFIGS[3].label, 'accum', n, True))], times[forwards[n]]
+    extra[n] = summary([(a - b) / f for a, b, f in zip(two, one, times[f'forward N={n}'])])
+  outputs = shape.outputs + (shape.hidden if workload.monitored else 0)
+  return {'workload': name, 'description': workload.description, 'shape': shape._asdict(), 'results': results,
+          'forward': forward_ratios, 'extra_forwards': extra, 'bptt_step_s': statistics.median(times[base_key]), 'rounds': rounds,
+          'grad_scale': scale, 'predictions_bytes': shape.batch * shape.time * outputs * 4}
+
+
+def _stepping(trainer, batch: int, x, y, model):
+  """A run of ``trainer``'s train step on a fresh state, to time."""
+  def run():
+    _reset(trainer, batch)
+    jax.block_until_ready((trainer.f_train(FIT, x, y), [v.value for v in _params(model).values()]))
+  return run
+
+
+def _forwarding(trainer, batch: int, x, y):
+  """A run of ``trainer``'s evaluation step (the forward pass) on a fresh state, to time."""
+  def run():
+    _reset(trainer, batch)
+    jax.block_until_ready(trainer.f_loss(FIT, x, y))
+  return run
+
+
+def _against_bptt(name: str, results: list, times: dict, base_key: str, log) -> float:
+  """Each result's step time, gradient and loss against bp.BPTT's (the first result); the gradient's scale."""
   base_grad, base_loss = results[0]['grad'], results[0]['loss']
   scale = max(float(np.max(np.abs(g))) for g in base_grad.values())
   for r in results:
@@ -226,16 +245,7 @@ def measure_workload(name: str, shape: Shape, rounds: int, log=print) -> dict:
     log(f"{name}: {r['key']:45s} step {r['step']['median']:.2f} x BPTT  grad diff {r['grad_max_abs_diff']:.2e} "
         f"({r['grad_rel_diff']:.1e} of max |grad|, relative L2 {r['grad_rel_l2']:.1e})  "
         f"loss diff {r['loss_diff']:+.2e}", flush=True)
-  forward_ratios = {n: ratio_stats(times[f'forward N={n}'], times[base_key]) for n in forwards}
-  # Extra time of the two passes over the default mode at the same N, in forward passes, round by round.
-  extra = {}
-  for n in forwards:
-    two, one = times[_key(Config(CONFIGS[3].label, 'accum', n, True))], times[forwards[n]]
-    extra[n] = summary([(a - b) / f for a, b, f in zip(two, one, times[f'forward N={n}'])])
-  outputs = shape.outputs + (shape.hidden if workload.monitored else 0)
-  return {'workload': name, 'description': workload.description, 'shape': shape._asdict(), 'results': results,
-          'forward': forward_ratios, 'extra_forwards': extra, 'bptt_step_s': statistics.median(times[base_key]), 'rounds': rounds,
-          'grad_scale': scale, 'predictions_bytes': shape.batch * shape.time * outputs * 4}
+  return scale
 
 
 def _norm(arrays) -> float:

@@ -4,7 +4,8 @@
 division, so its callers (this module's wrapper, a trainer, devices adding their shares) decide when to divide.
 """
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+import functools
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import brainpy.math as bm
 import brainstate
@@ -85,6 +86,11 @@ def _put(buffer, axes, start, values):
   return treedef.unflatten(new)
 
 
+def _zeros(like):
+  """Zeros of the shapes and dtypes of ``like``."""
+  return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
+
+
 def _full_only(_, run_full, run_short, *operands):
   """The ``cond`` of an even batch: no short micro-batch, so no branch."""
   return run_full(*operands)
@@ -108,8 +114,7 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
     return _one_batch(micro_fn, args, plan, grads_like, metrics)
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
   state_axes = [_axes_like(s.value, a) for s, a in states]
-  if sample_axes is None:
-    sample_axes = [0] * len(jax.tree_util.tree_leaves(samples_like))
+  sample_axes = [0] * len(jax.tree_util.tree_leaves(samples_like)) if sample_axes is None else sample_axes
   size, num_full = plan.micro_batch_size, plan.num_full
   aux_def = []  # the metrics' structure, seen while tracing
 
@@ -139,19 +144,25 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
     grad_sum = None if grad_sum is None else add_scaled(grad_sum, out.weight, out.grads)
     return (grad_sum, buffers), (out.loss, out.aux, out.weight)
 
-  zeros = lambda like: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), like)
-  buffers = ([s.value for s, _ in states], zeros(samples_like), zeros([] if metrics is None else metrics.stitched_like))
+  buffers = ([s.value for s, _ in states], _zeros(samples_like), _zeros([] if metrics is None else metrics.stitched_like))
   _enter(states, state_axes, buffers[0], 0, size)  # the scan carries the states at the micro-batch size
   init = (None if grads_like is None else wide_zeros_like(grads_like), buffers)
-  (grad_sum, (values, samples, stitched)), (losses, auxs, weights) = brainstate.transform.scan(
+  (grad_sum, (values, samples, stitched)), stacked = brainstate.transform.scan(
     body, init, jnp.arange(plan.num_micro_batches))
   for (state, _), value in zip(states, values):
     state.value = value
+  return _summed(plan, grad_sum, samples, stitched, stacked, metrics, aux_def[0])
+
+
+def _summed(plan: MicroBatchPlan, grad_sum, samples, stitched, stacked, metrics: Optional[MetricPlan], aux_def) -> Sums:
+  """The :class:`Sums` of :func:`accumulate`'s scan: its gradient sum, its buffers (``samples``, the ``stitched``
+  per-sample metrics) and its ``stacked`` per-micro-batch ``(losses, metrics, weights)``."""
+  losses, auxs, weights = stacked
   if metrics is None:
     return Sums(grad_sum, weights.sum(), *sum_values((losses, auxs), weights, 'mean'), samples)
   (loss_sum,) = sum_values((losses,), weights, 'mean')
   partial = stacked_partials(auxs, metrics.rules, weights, jnp.asarray(plan.sizes, jnp.float32), metrics.mean_by_weight)
-  aux = join_metrics(aux_def[0], metrics.rules, partial, stitched)
+  aux = join_metrics(aux_def, metrics.rules, partial, stitched)
   return Sums(grad_sum, weights.sum(), loss_sum, aux, samples, jnp.asarray(plan.batch_size, jnp.float32))
 
 
@@ -364,14 +375,7 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   named = named_states(states)
   grad_ids = {id(s) for s in jax.tree_util.tree_leaves(grad_states, is_leaf=is_state)}
   tree = dict(grad_states) if isinstance(grad_states, dict) else grad_states  # as brainstate shapes the grads
-
-  def weigh(micro_args, size):
-    if grad_reduction == 'sum' or loss_weight_fn is None:
-      return jnp.asarray(1 if grad_reduction == 'sum' else size, jnp.float32)
-    weight = jnp.asarray(bm.as_jax(loss_weight_fn(*micro_args)), jnp.float32)
-    if weight.shape != ():
-      raise ValueError(f'loss_weight_fn must return a scalar weight; it returned shape {weight.shape}.')
-    return weight
+  weigh = functools.partial(_weigh, grad_reduction, loss_weight_fn)
 
   def grad_fn(*args):
     axes, batch = _leaf_axes(args, batch_axis)
@@ -380,27 +384,12 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
     log = []
     loss_and_new = loss_catching_new_states(loss_fn, has_aux, log)
     params = jax.tree_util.tree_map(lambda s: s.value, tree, is_leaf=is_state)
-    if mesh is not None:
-      touched = []
-      batched, keep, samples_like = prepare_states(named, _recording(loss_and_new, touched), args, batch, grad_ids,
-                                                   weigh)
-      cut = {id(s) for s, _ in batched}
-      randoms = list({id(s): s for s in touched
-                      if isinstance(s, brainstate.random.RandomState) and id(s) not in cut}.values())
-      with declared_batch_axes(batched):
-        sums = _on_mesh(mesh, mesh_axis, _micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan,
-                        batched, tree, samples_like, randoms)
-      grads = finish_grads(sums.grad_sum, sums.total_weight, grad_reduction, params)
-      loss, aux = finish_values((sums.loss_sum, sums.aux_sum), sums.total_weight, grad_reduction)
-      samples, created = sums.samples, [log[-1][i] for i in keep]
-    elif plan.num_micro_batches == 1:  # brainstate's own result, bit for bit
+    if mesh is None and plan.num_micro_batches == 1:  # brainstate's own result, bit for bit
       grads, loss, aux, _, samples = _micro_fn(loss_and_new, grad_states, weigh, None)(args, batch)
       created = log[-1]
     else:
-      batched, keep, samples_like = prepare_states(named, loss_and_new, args, batch, grad_ids, weigh)
-      with declared_batch_axes(batched):
-        sums = accumulate(_micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched, params,
-                          samples_like)
+      sums, keep = _sums(loss_and_new, grad_states, named, grad_ids, weigh, args, axes, plan, batch, params, tree,
+                         mesh, mesh_axis)
       grads = finish_grads(sums.grad_sum, sums.total_weight, grad_reduction, params)
       loss, aux = finish_values((sums.loss_sum, sums.aux_sum), sums.total_weight, grad_reduction)
       samples, created = sums.samples, [log[-1][i] for i in keep]
@@ -411,3 +400,32 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
     return (grads, aux) if has_aux else grads
 
   return grad_fn
+
+
+def _weigh(grad_reduction: str, loss_weight_fn: Optional[Callable], micro_args, size: int):
+  """A micro-batch's weight: its sample count (``'mean'``), ``loss_weight_fn``'s scalar, or 1 (``'sum'``)."""
+  if grad_reduction == 'sum' or loss_weight_fn is None:
+    return jnp.asarray(1 if grad_reduction == 'sum' else size, jnp.float32)
+  weight = jnp.asarray(bm.as_jax(loss_weight_fn(*micro_args)), jnp.float32)
+  if weight.shape != ():
+    raise ValueError(f'loss_weight_fn must return a scalar weight; it returned shape {weight.shape}.')
+  return weight
+
+
+def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, args, axes, plan: MicroBatchPlan, batch: int,
+          params, tree, mesh: Optional[Mesh], mesh_axis: Optional[str]) -> Tuple[Sums, list]:
+  """:func:`micro_batched_grad`'s sums of a batch of several micro-batches (on ``mesh``: of every device's share,
+  added), and which of the States the loss creates hold the batch (``keep``)."""
+  if mesh is None:
+    batched, keep, samples_like = prepare_states(named, loss_and_new, args, batch, grad_ids, weigh)
+    with declared_batch_axes(batched):
+      return accumulate(_micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched, params,
+                        samples_like), keep
+  touched = []
+  batched, keep, samples_like = prepare_states(named, _recording(loss_and_new, touched), args, batch, grad_ids, weigh)
+  cut = {id(s) for s, _ in batched}
+  randoms = list({id(s): s for s in touched
+                  if isinstance(s, brainstate.random.RandomState) and id(s) not in cut}.values())
+  with declared_batch_axes(batched):
+    return _on_mesh(mesh, mesh_axis, _micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched,
+                    tree, samples_like, randoms), keep

@@ -233,13 +233,13 @@ def values_of(variables) -> list:
 def restore_values(variables, values, *, any_shape: bool = False) -> None:
   """Give ``variables`` the ``values`` that :func:`values_of` took.
 
-  Inside a traced function this is a traced write, like any ``value`` assignment. ``any_shape`` assigns
-  ``_value`` instead, bypassing the shape check, for Variables whose shape changed since (a model reset at
-  another batch size); outside traced functions only.
+  Inside a traced function this is a traced write, like any ``value`` assignment. ``any_shape`` restores
+  with brainstate's ``restore_value`` instead, which does not check the shape, for Variables whose shape
+  changed since (a model reset at another batch size); outside traced functions only.
   """
   for var, value in zip(variables, values):
     if any_shape:
-      var._value = value
+      var.restore_value(value)
     else:
       var.value = value
 

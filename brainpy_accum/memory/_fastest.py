@@ -97,10 +97,7 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
     if too_big:  # the boundary: the smallest micro-batch that did not fit
       weighed.append(Candidate(min(too_big), remat, measured[min(too_big), remat], False))
   if not largest:
-    need = min(one_sample)
-    raise ValueError(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
-                     f'one sample with remat need {format_memory(need)} ({need} bytes) for a batch of '
-                     f'{batch_size}. Raise memory_budget to at least {need}.')
+    raise _too_small(budget, batch_size, min(one_sample))
   without_remat = largest.get(False, 0)
   pairs = [(size, remat) for remat, top in largest.items() for size in finer_sizes(batch_size, top, finer)
            if not remat or size > without_remat]  # a cut that fits without remat is faster without it
@@ -112,6 +109,13 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
               for (size, remat), bytes_ in zip(pairs, used)]
   weighed.sort(key=lambda c: (bool(c.remat), -c.micro_batch_size))
   return min((c for c in weighed if c.fits), key=lambda c: c.seconds or 0.), weighed
+
+
+def _too_small(budget: int, batch_size: int, need: int) -> ValueError:
+  """The error of a budget that no plan fits, naming what one sample per micro-batch needs."""
+  return ValueError(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
+                    f'one sample with remat need {format_memory(need)} ({need} bytes) for a batch of '
+                    f'{batch_size}. Raise memory_budget to at least {need}.')
 
 
 def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3, warm_up: bool = True,

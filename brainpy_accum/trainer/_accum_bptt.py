@@ -260,16 +260,16 @@ class AccumBPTT(bp.BPTT):
     self.memory_budget = memory_budget if budget is None or budget.from_device else budget.bytes()
     self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
     self.skip_nonfinite, self.whole_batch_loss = skip_nonfinite, whole_batch_loss
-    self.mesh = None if mesh is None else auto_axes(mesh)
-    self.cache_folder = folder
-    if folder is not None:
-      use_compilation_cache(folder)
-    self._compiles = Compilations()
-    self._build_parts(budget, PlanCache(folder) if folder and num_micro_batch == 'auto' else None)
+    self.mesh, self.cache_folder = None if mesh is None else auto_axes(mesh), folder
+    self._build_parts(budget)
     warn_batch_statistics(self.target)
 
-  def _build_parts(self, budget: Optional[Budget], cache: Optional[PlanCache]) -> None:
+  def _build_parts(self, budget: Optional[Budget]) -> None:
     """The parts the trainer is made of, each handed what it calls (see the module's docstring)."""
+    if self.cache_folder is not None:
+      use_compilation_cache(self.cache_folder)
+    cache = PlanCache(self.cache_folder) if self.cache_folder and self.num_micro_batch == 'auto' else None
+    self._compiles = Compilations()
     self._model = ModelLoss(
       BPTTFunctions(self._predict, self._step_func_predict, lambda xs: self._get_input_time_step(xs=xs),
                     lambda: self.i0, self._step_func_loss, self._loss_func),
