@@ -35,15 +35,18 @@ class Step(NamedTuple):
 
 
 def _counted(run: Callable[[], None], compile_: Callable[[], object]) -> Step:
-  """A :class:`Step` of ``run`` and ``compile_``, counting the XLA compilations its runs cause."""
-  count = [0]
+  """A :class:`Step` of ``run`` and ``compile_`` whose ``compilations()`` is the step's executable and every
+  compilation a later run causes (1 when nothing recompiled): the first run compiles the step or reuses what
+  ``compile_`` compiled, as the jit's dispatch decides."""
+  runs, recompiled = [0], [0]
 
   def counted_run():
     with count_compilations() as compiled:
       run()
-    count[0] += compiled()
+    recompiled[0] += compiled() if runs[0] else 0
+    runs[0] += 1
 
-  return Step(counted_run, compile_, lambda: count[0])
+  return Step(counted_run, compile_, lambda: min(runs[0], 1) + recompiled[0])
 
 
 def _block(trainer, out):
