@@ -19,7 +19,8 @@ import jax
 
 from ._budget import format_memory, parse_memory
 
-__all__ = ['DEVICE_MARGIN', 'Budget', 'DeviceMemory', 'device_memory', 'as_fraction', 'is_out_of_memory', 'refused_bytes']
+__all__ = ['DEVICE_MARGIN', 'Budget', 'DeviceMemory', 'as_fraction', 'device_memory', 'is_out_of_memory',
+           'is_refused_program', 'refused_bytes']
 
 # Of the device's limit, kept free when the budget is the device's own: XLA's memory analysis counts the
 # program's buffers, not the runtime's own allocations, the executable itself or the allocator's fragmentation.
@@ -149,6 +150,16 @@ def is_out_of_memory(error: BaseException) -> bool:
   """Whether ``error`` is XLA's resource-exhausted error: the device is out of memory, at run time or when a
   program too large for it is compiled."""
   return isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error)
+
+
+# what XLA writes when it refuses to compile a program too large for the device (a TPU's words; a run that
+# cannot allocate says "Out of memory while trying to allocate" or "Error allocating device buffer")
+_REFUSED = ('exceeds available', 'memory space hbm', 'HLO temporaries', 'hbm capacity')
+
+
+def is_refused_program(error: BaseException) -> bool:
+  """Whether ``error`` is XLA refusing, at compile time, a program too large for the device (nothing ran)."""
+  return is_out_of_memory(error) and any(words in str(error) for words in _REFUSED)
 
 
 _SIZES = {'': 1, 'B': 1, 'K': 2 ** 10, 'KB': 2 ** 10, 'KIB': 2 ** 10, 'M': 2 ** 20, 'MB': 2 ** 20, 'MIB': 2 ** 20,

@@ -30,6 +30,7 @@ from ..core._states import values_restored
 from ._budget import StepMemory, choose_micro_batch_size, format_memory, memory_parts
 from ._cache import PlanCache
 from ._chunks import ChunkSearch
+from . import _device
 from ._device import Budget, is_out_of_memory, refused_bytes
 from ._fastest import Candidate, choose_fastest_plan, describe_choice, time_steps
 from ._oom import finer_plan
@@ -214,6 +215,31 @@ class Planner:
     before, plan = self.describe(batch_size), self.plan_for(batch_size)
     self.finer_plans[batch_size] = finer_plan(plan)._replace(remat=plan.remat)
     return f'{before} now runs as {self.describe(batch_size)}'
+
+  def refusal(self, error: BaseException, inputs, targets, shared_args=None) -> MemoryError:
+    """The error for a fixed cut whose train step the device refused to compile (nothing ran, nothing changed):
+    the step's size by the refusal, the device's limit, and the fewest micro-batches whose step fits the device
+    (quick compilations), else ``'auto'``."""
+    layout = self.model.check_batch(inputs, targets)
+    plan, memory = self.plan_for(layout.batch_size), _device.device_memory()
+    budget = self.budget_of or Budget(None)
+    share, need = self.share_size(layout.batch_size), refused_bytes(error, 0)
+    probe = lambda size: self.compilers.step_bytes(plan_micro_batches(share, micro_batch_size=size)._replace(
+      remat=plan.remat), shared_args, inputs, targets, False)
+    option = 'num_micro_batch' if self.micro_batch_size is None else 'micro_batch_size'
+    try:
+      size, used = choose_micro_batch_size(share, budget.bytes(), probe, below=plan.micro_batch_size)
+      count = -(-share // size)
+      fix = (f'{option}={count if option == "num_micro_batch" else size} fits ({plural(count, "micro-batch")} of '
+             f'{size}, its step {format_memory(used)}), or pass')
+    except ValueError:
+      fix = 'not even one sample per micro-batch fits: use remat=True, a smaller model or fewer time steps, or pass'
+    needs = f'{format_memory(need)}, more than' if need else 'more than'
+    limit = 'the device holds' if memory is None else f'the {format_memory(memory.limit)} of the {memory.kind} device'
+    return MemoryError(f'The train step of {self.describe(layout.batch_size)} ({option}='
+                       f'{getattr(self, option)!r}) does not fit the device: XLA refused to compile it, as it needs '
+                       f'{needs} {limit}; nothing was run or changed. {fix} num_micro_batch=\'auto\' to plan each '
+                       f'batch size within the device\'s memory.')
 
   def is_cached(self, shared_args, inputs, targets) -> bool:
     """Whether the plan cache has a file for this batch's plan (not read: planning reads and checks it)."""

@@ -28,7 +28,7 @@ from ..core._states import batched_variables
 from ..diagnostics._compiles import Compilations
 from ..memory._budget import argument_bytes, compiled_step_bytes, fixed_bytes_at_least
 from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
-from ..memory._device import Budget
+from ..memory._device import Budget, is_refused_program
 from ..memory._plan_key import plan_key
 from ..memory._planner import PlannedModel, Planner
 from ._arguments import check_trainer_args, warn_batch_statistics
@@ -649,8 +649,11 @@ class AccumBPTT(bp.BPTT):
   def _known_plan(self, batch_size: int) -> Optional[MicroBatchPlan]:
     return self.planner.known_plan(batch_size)
 
-  def _replan_finer(self, batch_size: int) -> str:
-    """After the device ran out of memory: the planner's finer cut of ``batch_size``; the steps trace anew."""
+  def _replan_finer(self, batch_size: int, error: BaseException, inputs, targets, shared_args) -> str:
+    """After the device ran out of memory: the planner's finer cut of ``batch_size``; the steps trace anew. A
+    fixed cut whose step the device refused to compile is the user's to change: the error that says to what."""
+    if self.num_micro_batch != 'auto' and is_refused_program(error):
+      raise self.planner.refusal(error, inputs, targets, shared_args) from None
     change = self.planner.finer(batch_size)
     self._steps.rebuild()
     return change

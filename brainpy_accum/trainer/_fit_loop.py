@@ -41,7 +41,8 @@ class TrainerParts(NamedTuple):
   # states now, returns start() (or None), which starts the loss check and returns its finish() when it runs
   # beside the first step (or, before_planning, beside the planner)
   check_loss_once: Callable[..., Optional[Callable[[], Optional[Callable[..., None]]]]]
-  replan_finer: Callable[[int], str]             # (batch_size) -> what changed, after running out of memory
+  # (batch_size, error, inputs, targets, shared_args) -> what changed, after running out of memory (or raises)
+  replan_finer: Callable[..., str]
   note_compilations: Callable[[str, int], None]  # (phase, count): XLA compilations of a step
   step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
   without_time_step_bars: Callable[[], ContextManager]  # tracing without per-time-step progress bars
@@ -297,7 +298,7 @@ def _run_step(trainer, parts: TrainerParts, phase: str, kind: str, options: Loop
   with _errors_of_the_whole_batch(parts, options.shared_args, inputs, targets):
     result, compiles = run_with_retry(
       lambda: _call_step(parts.step(kind), options.shared_args, inputs, targets),
-      lambda error: parts.replan_finer(batch_size))
+      lambda error: parts.replan_finer(batch_size, error, inputs, targets, options.shared_args))
   step_phase = 'fit' if phase == 'fit' else 'loss'
   if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
     parts.note_compilations(step_phase, compiles)
