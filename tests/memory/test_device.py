@@ -14,6 +14,7 @@ from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.memory._device import DEVICE_MARGIN, Budget
 from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
 from simulated_device import simulated_device
+from test_stream import _batches as stream_batches, _budget as stream_budget, _model as stream_model
 
 FIT = bp.tools.DotDict(fit=True)
 SIZE, N_IN, N_HIDDEN, N_OUT, T = 24, 4, 32, 3, 20
@@ -147,3 +148,21 @@ def test_without_a_device_limit_the_budget_must_be_named():
     _trainer(num_micro_batch='auto', memory_budget='90%')
   with pytest.raises(ValueError, match=r"memory_budget='150%' must be a share of the device between 0% and 100%"):
     _trainer(num_micro_batch='auto', memory_budget='150%')
+
+
+def test_a_batch_larger_than_the_device_is_streamed_in_chunks_it_holds(monkeypatch):
+  """No budget named, a batch whose data is three times the device: streamed from the host in chunks whose steps
+  the device holds (every chunk step it refuses is measured as not fitting), with bp.BPTT's update (the
+  spiking network and data of ``test_stream.py``)."""
+  batches = stream_batches((48, 48))
+  with simulated_device(monkeypatch, int(stream_budget(batches) / (1 - DEVICE_MARGIN))) as refused:
+    trainer = AccumBPTT(stream_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01),
+                        progress_bar=False, num_micro_batch='auto', cache=False)
+    trainer.fit(batches, num_epoch=2)
+  chunk = trainer.stream_chunks[48]
+  assert refused and chunk < 48 and trainer.memory_plans[chunk][1] <= trainer.planner.budget
+  reference = bp.BPTT(stream_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01),
+                      progress_bar=False)
+  reference.fit(batches, num_epoch=2)
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
+  np.testing.assert_allclose(trainer.train_losses, reference.train_losses, rtol=1e-5)
