@@ -378,3 +378,13 @@ def test_checksums_are_of_the_bytes_written(saved):
   assert hashlib.sha256(saved.content[second:second + int(length)]).hexdigest() == digest.decode()
   for entry, offset, size in _layout(saved.content):
     assert hashlib.sha256(saved.content[offset:offset + size]).hexdigest() == entry['sha256'], entry['label']
+
+
+def test_fit_refuses_a_damaged_checkpoint_before_training(saved):
+  path = saved.folder / 'damaged_run.ckpt'
+  path.write_bytes(_flipped(saved.content, len(saved.content) // 2, 0x40))
+  bm.random.seed(MOVED_SEED)
+  with pytest.raises(ValueError, match=f'Checkpoint path={str(path)!r} is damaged.*Nothing was loaded'):
+    saved.trainer.fit(BATCHES, num_epoch=1, checkpoint=path)
+  _assert_unchanged(saved.trainer, saved.moved)
+  assert path.read_bytes() == _flipped(saved.content, len(saved.content) // 2, 0x40), 'fit wrote nothing'
