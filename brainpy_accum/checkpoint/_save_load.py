@@ -33,10 +33,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ..core._combine import weakly_typed
-from ._file import FORMAT, read_tree, write_tree
+from ._file import read_tree, write_tree
 from ._resume import Progress
 
-__all__ = ['FORMAT', 'checkpoint_groups', 'save', 'save_or_warn', 'load']
+__all__ = ['checkpoint_groups', 'save', 'save_or_warn', 'load']
 
 
 def checkpoint_groups(trainer, window) -> Dict[str, Dict[str, bm.Variable]]:
