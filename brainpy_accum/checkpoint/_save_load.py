@@ -1,10 +1,14 @@
 """Saving and restoring a trainer: parameters, model state, optimizer state, accumulation counters, random state.
 
-Files are written with BrainPy's own :func:`brainpy.checkpoints.save_pytree`
-(msgpack) to a temporary name beside the target and renamed into place, so a
-crash never leaves a half-written checkpoint. Loading checks the whole file
-against the trainer (format, counts, shapes, dtypes) before assigning
-anything: a corrupt or mismatched file raises and leaves the trainer as it was.
+The file (:mod:`~brainpy_accum.checkpoint._file`) keeps a SHA-256 of every
+part of it, and loading verifies them all, then checks the file against the
+trainer (counts, shapes, dtypes), before assigning anything: a damaged,
+truncated, foreign or mismatched file raises and leaves the trainer as it was.
+Saving writes a temporary file and renames it into place: a save that fails
+(a full disk, a folder that disappeared) raises an ``OSError`` naming the path
+and leaves the previous checkpoint intact; inside :meth:`fit` it warns and the
+run goes on (:func:`save_or_warn`).
+
 Variables are matched by position in BrainPy's traversal order, not by their
 auto-generated names, which differ between processes that build other
 objects first; the ``accumulate_steps`` window's sums, kept in the sorted order
@@ -13,29 +17,26 @@ of their parameters' names, are matched through the parameter each belongs to.
 With several processes (:func:`jax.distributed.initialize`) every process
 takes part in gathering the values (some, like the ``accumulate_steps``
 window, live on all processes' devices), process 0 alone writes the file, and
-all wait until it is in place. Stale temporary files of processes that died
-while writing are removed at the next save.
+all wait until it is in place (also when writing failed).
 
 :meth:`fit` adds where the run stands (:class:`~brainpy_accum.checkpoint.Progress`) and its
 metric history, so that ``fit(..., checkpoint=path)`` can resume.
 """
 
-import glob
 import os
+import warnings
 from typing import Dict, Optional, Tuple
 
-import brainpy as bp
 import brainpy.math as bm
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from ..core._combine import weakly_typed
+from ._file import read_tree, write_tree
 from ._resume import Progress
 
-__all__ = ['FORMAT', 'checkpoint_groups', 'save', 'load']
-
-FORMAT = 'brainpy_accum.checkpoint.v1'
+__all__ = ['checkpoint_groups', 'save', 'save_or_warn', 'load']
 
 
 def checkpoint_groups(trainer, window) -> Dict[str, Dict[str, bm.Variable]]:
@@ -88,70 +89,47 @@ def _from_host(stored, current):
 
 def save(trainer, path: str, window, run: Optional[Tuple[Progress, Dict[str, dict]]] = None) -> str:
   """Write the trainer's checkpoint (with its ``accumulate_steps`` ``window``, or ``None``) to ``path``
-  atomically; return ``path``.
+  atomically; return ``path``. Raises ``OSError`` naming ``path`` if it cannot be written (the previous file
+  there is then unchanged).
 
   ``run``: :meth:`fit`'s ``(progress, {phase: PhaseLog.state()})``, kept beside the Variables.
   """
   groups = checkpoint_groups(trainer, window)
-  tree = {'format': FORMAT,
-          'values': {g: {_key(i): _to_host(v.value) for i, v in enumerate(vs.values())} for g, vs in groups.items()},
+  tree = {'values': {g: {_key(i): _to_host(v.value) for i, v in enumerate(vs.values())} for g, vs in groups.items()},
           'names': {g: {_key(i): name for i, name in enumerate(vs)} for g, vs in groups.items()}}
+  labels = {('values', g, _key(i)): f'{g} variable {name}' for g, vs in groups.items() for i, name in enumerate(vs)}
   if run is not None:
     progress, history = run
     tree['progress'] = {k: int(v) for k, v in progress._asdict().items()}
     tree['history'] = history
   path = os.fspath(path)
+  failed = None
   if jax.process_index() == 0:
-    _write(tree, path)
+    try:
+      write_tree(path, tree, labels)
+    except OSError as error:
+      failed = error
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices(f'brainpy_accum checkpoint {path}')  # no process reads it before it exists
+  if failed is not None:
+    raise failed
   return path
 
 
-def _write(tree: dict, path: str) -> None:
-  """``tree`` to ``path`` through a temporary file renamed into place (never a partial file at ``path``)."""
-  _remove_stale_temporaries(path)
-  temporary = f'{path}.tmp-{os.getpid()}'
+def save_or_warn(trainer, path: str, window, run: Tuple[Progress, Dict[str, dict]]) -> bool:
+  """:meth:`fit`'s checkpoints: :func:`save`, but a file that cannot be written (a full disk, a folder that
+  disappeared) warns, once per failed checkpoint, and ``fit`` goes on; the file keeps the previous checkpoint
+  and the next one tries again. Returns whether the file was written."""
   try:
-    bp.checkpoints.save_pytree(temporary, tree, overwrite=True, verbose=False)
-    os.replace(temporary, path)
-  finally:
-    if os.path.exists(temporary):
-      os.remove(temporary)
-
-
-def _remove_stale_temporaries(path: str) -> None:
-  """Remove ``path.tmp-<pid>`` files left by writers that were killed mid-write (their pid is gone)."""
-  for temporary in glob.glob(glob.escape(path) + '.tmp-*'):
-    pid = temporary.rsplit('-', 1)[-1]
-    if pid.isdigit() and not _alive(int(pid)):
-      try:
-        os.remove(temporary)
-      except FileNotFoundError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
+    save(trainer, path, window, run)
+  except OSError as error:
+    progress = run[0]
+    warnings.warn(f'{error.strerror or error} (epoch {progress.epoch}, update {progress.updates} of this fit call.) '
+                  f'fit does not stop for this: its next checkpoint, if any, tries again. To stop instead, make '
+                  f"this warning an error: warnings.filterwarnings('error', 'Could not write the checkpoint').",
+                  UserWarning, stacklevel=3)
     return False
-  except PermissionError:
-    return True
   return True
-
-
-def _read(path: str) -> dict:
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'No checkpoint at path={path!r}: save one with trainer.save_checkpoint(path).')
-  try:
-    tree = bp.checkpoints.load_pytree(path)
-  except Exception as error:
-    raise ValueError(f'path={path!r} is not a readable checkpoint ({error}). Nothing was loaded.') from error
-  if not isinstance(tree, dict) or tree.get('format') != FORMAT:
-    raise ValueError(f'path={path!r} is not a {FORMAT} checkpoint written by AccumBPTT.save_checkpoint. '
-                     f'Nothing was loaded.')
-  return tree
 
 
 def _stored_keys(tree: dict, group: str, variables: Dict[str, bm.Variable], params: Dict[str, bm.Variable]) -> list:
@@ -190,26 +168,33 @@ def _check_group(path, group, variables, stored, keys) -> None:
 
 def load(trainer, path: str, window) -> Optional[Tuple[Progress, Dict[str, dict]]]:
   """Restore ``trainer`` (and its ``accumulate_steps`` ``window``, or ``None``) from ``path``; raises before
-  assigning anything if the file does not fit.
+  assigning anything if the file is damaged or does not fit.
 
   Returns the ``(progress, history)`` that :meth:`fit` saved with it (``None`` for a checkpoint saved by hand).
   """
   path = os.fspath(path)
-  tree = _read(path)
+  tree = read_tree(path)
+  if not isinstance(tree.get('values'), dict):
+    raise ValueError(f'Checkpoint path={path!r} holds no Variables. Nothing was loaded.')
   groups = checkpoint_groups(trainer, window)
   keys = {group: _stored_keys(tree, group, variables, groups['params']) for group, variables in groups.items()}
   for group, variables in groups.items():
     if group not in tree['values']:
       raise ValueError(f'Checkpoint path={path!r} lacks the {group} group. Nothing was loaded.')
     _check_group(path, group, variables, tree['values'][group], keys[group])
+  run = _run_of(path, tree)
   for group, variables in groups.items():
     for key, var in zip(keys[group], variables.values()):
       var.value = _from_host(tree['values'][group][key], var.value)
-  return _run_of(tree)
+  return run
 
 
-def _run_of(tree: dict) -> Optional[Tuple[Progress, Dict[str, dict]]]:
+def _run_of(path: str, tree: dict) -> Optional[Tuple[Progress, Dict[str, dict]]]:
   if 'progress' not in tree:
     return None
-  progress = Progress(**{k: int(v) for k, v in tree['progress'].items()})
+  try:
+    progress = Progress(**{k: int(v) for k, v in tree['progress'].items()})
+  except (TypeError, ValueError) as error:
+    raise ValueError(f'Checkpoint path={path!r} has an unreadable record of where the run stood ({error}). '
+                     f'Nothing was loaded.') from error
   return progress._replace(trained_all=bool(progress.trained_all)), tree.get('history', {})

@@ -361,7 +361,12 @@ class AccumBPTT(bp.BPTT):
       ends as an uninterrupted run would (same parameters, optimizer and learning-rate step, random
       state, ``accumulate_steps`` window, losses and history). The data must give the same batches
       in the same order when run again (a list, or a function that shuffles with a seed per epoch).
-      A larger ``num_epoch`` continues a finished run.
+      A larger ``num_epoch`` continues a finished run. A damaged or foreign file raises before
+      anything trains (see :meth:`load_checkpoint`). A checkpoint that cannot be written (a full
+      disk, a folder that disappeared) does not stop the run: it warns (``Could not write the
+      checkpoint path=...``), training goes on, the next checkpoint tries again, and the file keeps
+      the last checkpoint written. To stop instead, make that warning an error:
+      ``warnings.filterwarnings('error', 'Could not write the checkpoint')``.
     checkpoint_every : int, optional
       Also write the checkpoint every this many optimizer updates (needs ``checkpoint``).
 
@@ -562,7 +567,11 @@ class AccumBPTT(bp.BPTT):
 
   def save_checkpoint(self, path: str) -> str:
     """Save parameters, model state, optimizer state (learning-rate step included), accumulation counters and
-    BrainPy's global random state to ``path``, atomically (temporary file, then rename).
+    BrainPy's global random state to ``path``, atomically (a temporary file, flushed to the disk, then renamed),
+    with a SHA-256 of every part of the file that :meth:`load_checkpoint` verifies.
+
+    A file that cannot be written (a full disk, a folder that disappeared) raises an ``OSError`` naming
+    ``path``, and the previous checkpoint at ``path``, if any, is left as it was.
 
     :meth:`save_state` / :meth:`load_state` and ``state_dict`` keep their BrainPy meanings.
 
@@ -579,7 +588,13 @@ class AccumBPTT(bp.BPTT):
     return save_checkpoint(self, path, self._window)
 
   def load_checkpoint(self, path: str) -> None:
-    """Restore what :meth:`save_checkpoint` wrote; a corrupt or mismatched file raises and changes nothing.
+    """Restore what :meth:`save_checkpoint` wrote; a damaged or mismatched file raises and changes nothing.
+
+    Every checksum of the file is verified, then its Variables are checked against the trainer's (counts,
+    shapes, dtypes), before anything is assigned. A byte changed anywhere, a truncated or extended file,
+    another model's or optimizer's checkpoint raise a ``ValueError`` naming the file and the part that failed
+    (a folder: ``IsADirectoryError``); the trainer keeps every value it had. A file of the previous format
+    (``brainpy_accum.checkpoint.v1``, without checksums) loads with a warning.
 
     Examples
     --------
@@ -591,6 +606,14 @@ class AccumBPTT(bp.BPTT):
     >>> trainer.load_checkpoint(os.path.join(tempfile.mkdtemp(), 'missing.ckpt'))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     FileNotFoundError: No checkpoint at path=...
+    >>> import pathlib
+    >>> path = pathlib.Path(trainer.save_checkpoint(os.path.join(tempfile.mkdtemp(), 'run.ckpt')))
+    >>> damaged = bytearray(path.read_bytes())
+    >>> damaged[-1] ^= 1  # one bit of the last array, BrainPy's random key
+    >>> _ = path.write_bytes(bytes(damaged))
+    >>> trainer.load_checkpoint(path)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: Checkpoint path=... is damaged: random variable default (uint32[2], bytes ...) does not match the SHA-256 written with it. Nothing was loaded.
     """
     load_checkpoint(self, path, self._window)
 

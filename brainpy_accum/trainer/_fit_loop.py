@@ -21,7 +21,7 @@ from brainpy import tools
 from tqdm import tqdm
 
 from ..checkpoint._resume import Interrupted, Progress, StopRequest, act_on, check_checkpoint_args, deferred_signals
-from ..checkpoint._save_load import load, save
+from ..checkpoint._save_load import load, save_or_warn
 from ..core._states import all_samples, batched_variables, declared_batch_axes, values_restored
 from ..diagnostics._compiles import count_compilations
 from ..memory._oom import run_with_retry
@@ -108,7 +108,7 @@ class Run:
     history = {phase: log.state() for phase, log in self.logs.items()}
     if self._test_log_at_start is not None:
       history['test'] = self._test_log_at_start
-    save(self.trainer, self.checkpoint, self.window, (self.progress, history))
+    save_or_warn(self.trainer, self.checkpoint, self.window, (self.progress, history))
 
 
 def fit(trainer, parts: TrainerParts, train_data, test_data, num_epoch: int, num_report: int, reset_state: bool,
