@@ -94,7 +94,9 @@ class AccumBPTT(bp.BPTT):
     ``data_first_axis`` (axis 0 for ``'B'``, axis 1 for ``'T'``) and falls back
     to axis 0 for leaves whose preferred axis does not hold the batch.
   memory_budget : int or str, optional
-    With ``num_micro_batch='auto'``: bytes, or a string like ``'512MiB'`` or ``'2GiB'``.
+    With ``num_micro_batch='auto'``: bytes, a string like ``'512MiB'`` or ``'2GiB'``,
+    or a share of the device such as ``'90%'``; on a GPU or TPU it may be left out: then
+    the device's own memory, less what other arrays hold and a margin (:attr:`planner`).
     A batch whose data does not fit beside its step even at one sample per
     micro-batch is streamed from the host in chunks that fit, still with one
     optimizer update per batch (no mesh, default loss mode; :attr:`stream_chunks`).
@@ -198,9 +200,9 @@ class AccumBPTT(bp.BPTT):
     How many times the train step (``'fit'``) and the evaluation step
     (``'loss'``) were traced: one per distinct batch shape when jitted.
     :attr:`compilations` counts the XLA executables behind them.
-  stream_chunks : dict
-    ``{batch_size: chunk_size}`` of the batch sizes streamed from the host
-    (see ``memory_budget``); empty when every batch fits with its data.
+  planner : brainpy_accum.memory.Planner
+    How each batch size is cut: its budget, plans (:attr:`memory_plans`),
+    streamed chunks (:attr:`stream_chunks`), ``weighed_plans`` and plan cache.
 
   Examples
   --------
