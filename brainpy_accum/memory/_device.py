@@ -13,7 +13,7 @@ is a measurement, the candidate does not fit, with the size the message names (:
 """
 
 import re
-from typing import NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import jax
 
@@ -110,13 +110,13 @@ class Budget:
     """Whether the bytes come from the device's memory (``None`` or a share), not from a size given."""
     return self._given is None
 
-  def bytes(self, held: int = 0) -> int:
-    """The budget in bytes, worked out at the first call and kept. ``held``: bytes of arrays now on the device
+  def bytes(self, held: Callable[[], int] = lambda: 0) -> int:
+    """The budget in bytes, worked out at the first call and kept. ``held()``: bytes of arrays now on the device
     that the step takes as its own arguments (the trainer's Variables): they count in the step's memory, so
     they are not taken off the device's limit as arrays of others."""
     if self._bytes is None:
       memory = device_memory(self.device)
-      others = max(0, memory.in_use - held)
+      others = max(0, memory.in_use - held())
       share = self._share if self._share is not None else 1 - DEVICE_MARGIN
       # rounded down to 1/1024 of the limit, so that a rerun with a few bytes more or less in use plans (and
       # finds its cached plans) under the same budget

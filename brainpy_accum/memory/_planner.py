@@ -179,8 +179,8 @@ class Planner:
     """The memory budget in bytes (``None`` without one); the device's is worked out at its first use."""
     if self.budget_of is None:
       return None
-    held = sum(int(getattr(v.value, 'nbytes', 0)) for v in self.model.variables() if isinstance(v.value, jax.Array))
-    return self.budget_of.bytes(held=held)
+    return self.budget_of.bytes(held=lambda: sum(int(v.value.nbytes) for v in self.model.variables()
+                                                 if isinstance(v.value, jax.Array)))
 
   def share_size(self, batch_size: int) -> int:
     """Samples each device holds of a batch of ``batch_size``."""
