@@ -127,23 +127,17 @@ class AccumBPTT(bp.BPTT):
     backward pass keeps one model state per segment instead of every step's
     activations (about one extra forward pass of compute; same gradients).
     ``False`` (default) stores every step, as :class:`brainpy.BPTT` does.
-    ``'auto'`` (with ``num_micro_batch='auto'`` and ``memory_budget``) lets
-    the planner choose per batch size between remat and more micro-batches:
-    it compiles the candidates, times a few trial steps of each that fits
-    (changing nothing), prints them, and keeps the fastest.
+    ``'auto'`` (with ``num_micro_batch='auto'``): the planner chooses per batch
+    size between remat and more micro-batches, the fastest that fits by trial
+    steps that change nothing.
   mesh : jax.sharding.Mesh, optional
     Data parallelism: every batch is split along its batch axis over the
-    devices of ``mesh_axis`` (contiguous shares of ``batch_size / D``
-    samples), each device runs its own micro-batch loop on its share, and
-    the devices' gradient sums are added once per train step, not once per
-    micro-batch. Parameters and optimizer state are replicated. The
-    micro-batch options then describe each device's share: with
-    ``num_micro_batch=N`` each device runs ``N`` micro-batches of
-    ``batch_size / (D N)`` samples, and ``memory_budget`` is per device.
-    Batch sizes must be multiples of ``D``. For several hosts, call
-    :func:`jax.distributed.initialize` first and build the mesh from
-    :func:`jax.devices` (all hosts' devices); every process runs the same
-    :meth:`fit` on the same batches. Without a mesh nothing changes.
+    ``D`` devices of ``mesh_axis`` (batch sizes must be multiples of ``D``),
+    each device runs its own micro-batch loop on its share, and the devices'
+    gradient sums are added once per train step. The micro-batch options and
+    ``memory_budget`` then describe each device's share. For several hosts,
+    call :func:`jax.distributed.initialize` first and build the mesh from
+    :func:`jax.devices`; every process runs the same :meth:`fit`.
   mesh_axis : str, optional
     The mesh axis that splits the batch; needed only when the mesh has more
     than one axis (the others then hold replicas).
@@ -181,15 +175,12 @@ class AccumBPTT(bp.BPTT):
     :meth:`fit` checks that each scalar metric of the whole batch equals its
     combination and warns, naming the metric, if it does not.
   cache : bool, str or os.PathLike
-    Caches that make a rerun of the same script start fast: JAX's
-    persistent compilation cache (in ``<folder>/jax``, only if JAX has no
-    cache folder yet: ``JAX_COMPILATION_CACHE_DIR`` or ``jax.config`` are
-    kept) and, with ``num_micro_batch='auto'``, the memory planner's plans
-    (``<folder>/plans``, keyed by the model, batch, options, versions and
-    device; a cached plan's step is compiled and measured again, never
-    trusted). ``True`` (default): the folder ``BRAINPY_ACCUM_CACHE_DIR``, else
-    ``~/.cache/brainpy_accum``, none if ``BRAINPY_ACCUM_CACHE=0``; ``False``:
-    no caches; a path: that folder.
+    Caches that make a rerun start fast: JAX's persistent compilation cache
+    (``<folder>/jax``, unless JAX has a cache folder already) and the
+    planner's plans (``<folder>/plans``; a cached plan's step is compiled and
+    measured again, never trusted). ``True`` (default): the folder
+    ``BRAINPY_ACCUM_CACHE_DIR``, else ``~/.cache/brainpy_accum``, none if
+    ``BRAINPY_ACCUM_CACHE=0``; ``False``: no caches; a path: that folder.
   **kwargs
     Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
     ``jit``, ``data_first_axis``, ``progress_bar``, ...).
@@ -394,21 +385,16 @@ class AccumBPTT(bp.BPTT):
   def plan_memory(self, inputs: Any, targets: Any, shared_args: Optional[Dict] = None, *,
                   step_time: Optional[Callable[[Sequence[MicroBatchPlan]], Sequence[float]]] = None
                   ) -> MicroBatchPlan:
-    """Choose and cache the fewest micro-batches whose compiled train step fits ``memory_budget``.
+    """Choose and cache the fewest micro-batches whose compiled train step fits the budget (:attr:`planner`'s).
 
-    Each candidate micro-batch size is compiled ahead of time and measured
-    with XLA's memory analysis; no step runs and nothing changes but the
-    cached choice, which is printed and kept in :attr:`memory_plans` as
-    ``{batch_size: (plan, bytes)}``.
-
-    With ``remat='auto'`` the choice is the fastest plan that fits instead:
-    for remat off and remat every ``sqrt(T)`` steps, the largest micro-batch
-    that fits and two finer cuts are compiled, and the fitting ones are timed
-    with trial steps on this batch (the compiled step run on the current
-    Variable values, its results discarded: no Variable or random key
-    changes). The candidates and the reason are printed; the plan's
-    :attr:`~MicroBatchPlan.remat` is used when the step is traced.
-    ``step_time(plans) -> seconds`` replaces the trial steps (e.g. a cost model).
+    Candidate micro-batch sizes are compiled ahead of time and measured with
+    XLA's memory analysis; no step runs and nothing changes but the choice,
+    printed and kept in :attr:`memory_plans` as ``{batch_size: (plan, bytes)}``.
+    With ``remat='auto'``: the fastest plan that fits, of the largest fitting
+    micro-batch without remat and with remat every ``sqrt(T)`` steps, timed
+    with trial steps that change nothing (``step_time(plans) -> seconds``
+    replaces them, e.g. a cost model). A batch whose data does not fit beside
+    its step is streamed from the host in chunks (:attr:`stream_chunks`).
 
     Raises
     ------
@@ -532,10 +518,8 @@ class AccumBPTT(bp.BPTT):
     state enters at its current size: call ``model.reset(batch_size)`` first,
     as :meth:`fit` does. ``plan`` overrides the trainer's micro-batch plan;
     ``update=False`` compiles the step that only adds a batch to the
-    ``accumulate_steps`` window (``update=True`` through the window without a
-    mesh: the step fit runs for both, which updates where the window's flag
-    says); ``via_window=True`` the step that passes its
-    gradient through the window (that of a streamed batch's last chunk).
+    ``accumulate_steps`` window; ``via_window=True`` the step that passes its
+    gradient through the window (a streamed chunk's).
     ``quick=True`` leaves XLA's code generation unoptimised: faster to compile,
     slower to run, with the same memory analysis (the planner's probes).
 
@@ -640,21 +624,8 @@ class AccumBPTT(bp.BPTT):
   # ------------------------------------------------------------------ what the parts are handed
 
   def _check_batch(self, inputs: Any, targets: Any) -> BatchLayout:
-    """Check one batch and return its layout; raises ``ValueError`` before anything changes.
-
-    Examples
-    --------
-    >>> import brainpy as bp, brainpy.math as bm, numpy as np
-    >>> from brainpy_accum import AccumBPTT
-    >>> with bm.training_environment():
-    ...   model = bp.dnn.Dense(3, 2)
-    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
-    >>> trainer._check_batch(np.ones((8, 5, 3)), np.ones((8, 5, 2))).batch_size
-    8
-    >>> trainer._check_batch(np.ones((8, 5, 3)), np.ones((6, 5, 2)))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ValueError: targets has shape (6, 5, 2), but the inputs hold batch_size=8 samples ...
-    """
+    """Check one batch and return its layout (:func:`~brainpy_accum.core._batch.batch_layout`); raises
+    ``ValueError`` before anything changes."""
     layout = batch_layout(inputs, targets, self.data_first_axis, self.target_batch_axis,
                           resolve=functools.partial(self._target_axes, inputs, targets))
     self.planner.share_size(layout.batch_size)
