@@ -411,7 +411,7 @@ class AccumBPTT(bp.BPTT):
     >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch='auto', memory_budget='64KiB')
     >>> x, y = np.ones((32, 20, 3), 'float32'), np.zeros((32, 20, 2), 'float32')
     >>> plan = trainer.plan_memory(x, y)  # doctest: +ELLIPSIS
-    memory plan: batch 32 = ... micro-batches), train step ... of memory_budget 64.0 KiB
+    memory plan: batch 32 = ... micro-batches), train step ... of memory_budget 64.0 KiB...
     >>> trainer.memory_plans[32][1] <= 64 * 1024
     True
     """
