@@ -1,11 +1,29 @@
-"""Tiny models, data and one tolerance helper shared by the tests."""
+"""Tiny models, data and one tolerance helper shared by the tests.
+
+The tolerances, on every platform:
+
+- ``RTOL, ATOL`` (1e-5, 1e-6): float32 round-off of summing micro-batch gradients in another order, after a few
+  Adam steps, measured on the CPU. They hold on a GPU or TPU too, because there every test runs with float32
+  matmuls (``jax_default_matmul_precision='highest'``, set in ``tests/conftest.py``), where an accelerator
+  agrees with a CPU to about seven digits. They are never loosened for a platform.
+- Why not at the accelerator's default precision: there a float32 matmul rounds its operands to bfloat16 (a
+  TPU; TensorFloat-32 on a GPU), and a micro-batch's gradient is that of its own mean loss, scaled by ``b / B``
+  only after its backward matmuls: their operands differ from the whole batch's (a factor ``1 / b`` for
+  ``1 / B``) by more than the order of a sum, and the rounding turns that into 2e-3 to 7e-2 in single
+  elements. (Measured on the CPU with every float32 ``dot_general`` rounding its operands to bfloat16, a rate
+  RNN's gradient for 10 samples: cuts 3+3+3+1 and 4+4+2 give 0.04 and 0.07 in the worst element, 1e-3 in
+  relative L2; 5+5, where ``b / B`` is a power of two, and the whole batch with its samples permuted give 4e-7.
+  Differentiating each micro-batch's loss already scaled by ``b / B`` gives 5e-7 for every cut.) So at that
+  precision the whole-batch references of the core and equivalence tests are not the micro-batched
+  computation, whatever the tolerance; with float32 matmuls they are, to round-off.
+"""
 
 import brainpy as bp
 import brainpy.math as bm
 import jax
 import numpy as np
 
-# float32 round-off of summing micro-batch gradients in another order, after a few Adam steps.
+# float32 round-off of summing micro-batch gradients in another order, after a few Adam steps (see above).
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -109,3 +127,4 @@ def mse_with_aux(predicts, targets):
 def optimizer_state(trainer):
   """Every Variable of the optimizer (moments, step counters) as NumPy arrays, in a stable order."""
   return [np.asarray(v) for v in trainer.optimizer.vars().unique().values()]
+
