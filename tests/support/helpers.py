@@ -1,4 +1,4 @@
-"""Tiny models, data and one tolerance helper shared by the tests.
+"""Tiny models, data, one tolerance helper and memory budgets measured on the running device, shared by the tests.
 
 The tolerances, on every platform:
 
@@ -22,6 +22,9 @@ import brainpy as bp
 import brainpy.math as bm
 import jax
 import numpy as np
+
+from brainpy_accum import plan_micro_batches
+from brainpy_accum.memory._budget import step_memory
 
 # float32 round-off of summing micro-batch gradients in another order, after a few Adam steps (see above).
 RTOL, ATOL = 1e-5, 1e-6
@@ -128,3 +131,24 @@ def optimizer_state(trainer):
   """Every Variable of the optimizer (moments, step counters) as NumPy arrays, in a stable order."""
   return [np.asarray(v) for v in trainer.optimizer.vars().unique().values()]
 
+
+# Memory budgets: from what XLA measures for the program at hand on the running device (a TPU pads arrays to
+# (8, 128) tiles, so the same step has other sizes there than on a CPU), never from a byte figure of one machine.
+
+def step_bytes(trainer, x, y, size, micro, via_window, remat=None) -> int:
+  """XLA's bytes, on this device, of ``trainer``'s step of the first ``size`` samples of ``x, y`` cut into
+  micro-batches of ``micro`` (through the ``accumulate_steps`` window, as a streamed chunk's, if ``via_window``)."""
+  trainer.target.reset(size)
+  plan = plan_micro_batches(size, micro_batch_size=micro)._replace(remat=remat)
+  return step_memory(trainer.compile_step(x[:size], y[:size], plan=plan, via_window=via_window, quick=True)).total
+
+
+def streaming_budget(probes, batches, chunk=6) -> int:
+  """A budget between two steps of each trainer in ``probes`` as XLA measures them on this device: a chunk of
+  ``chunk`` samples in one piece through the window (a streamed chunk's step), which fits, and the smallest step
+  that holds the smallest batch on the device (one sample per micro-batch), which does not: every batch streams."""
+  x, y = min(batches, key=lambda batch: len(batch[0]))
+  streamed = max(step_bytes(probe, x, y, chunk, chunk, via_window=True) for probe in probes)
+  whole = min(step_bytes(probe, x, y, len(x), 1, via_window=False) for probe in probes)
+  assert streamed < whole, (streamed, whole)
+  return (streamed + whole) // 2
