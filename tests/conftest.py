@@ -134,4 +134,3 @@ def _float32_matmuls_off_the_cpu():
     yield
   finally:
     jax.config.update('jax_default_matmul_precision', before)
-
