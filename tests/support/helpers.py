@@ -13,7 +13,7 @@ The tolerances, on every platform:
   elements. (Measured on the CPU with every float32 ``dot_general`` rounding its operands to bfloat16, a rate
   RNN's gradient for 10 samples: cuts 3+3+3+1 and 4+4+2 give 0.04 and 0.07 in the worst element, 1e-3 in
   relative L2; 5+5, where ``b / B`` is a power of two, and the whole batch with its samples permuted give 4e-7.
-  Differentiating each micro-batch's loss already scaled by ``b / B`` gives 5e-7 for every cut.) So at that
+  Differentiating each micro-batch's loss already scaled by ``b / B`` gives under 1e-6 for every cut.) So at that
   precision the whole-batch references of the core and equivalence tests are not the micro-batched
   computation, whatever the tolerance; with float32 matmuls they are, to round-off.
 """
