@@ -1,8 +1,14 @@
-"""The suite's switches: the long suite (``--long``), one JAX compilation cache per run, early subprocess checks.
+"""The suite's switches: the long suite (``--long``), one JAX compilation cache per run, early subprocess checks,
+float32 matmuls and the accelerator-only tests off the CPU.
 
 ``python -m pytest -q`` runs the suite a contributor runs while working: every behaviour, small models, a few
 minutes on two cores. ``--long`` adds the tests marked ``long``: the searches, BrainPy's gallery ports, the
 resume-after-SIGKILL runs, the multi-process and multi-device checks. ``--long -m long`` runs those alone.
+
+On a GPU or TPU the suite runs in one process (``python -m pytest -q -n 0``: only one process can hold a TPU,
+and each xdist worker would take its own share of a GPU). There every test runs with float32 matmuls
+(:func:`_float32_matmuls_off_the_cpu`), the tests marked ``accelerator`` run (on the CPU they skip, saying why),
+and the checks in their own processes run on the CPU (``background.env``).
 """
 
 import os
@@ -13,6 +19,7 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent / 'support'))
 import background  # noqa: E402
+import pytest  # noqa: E402
 sys.path[1:1] = background.TEST_FOLDERS  # test files import one another across the mirrored folders
 
 LONG_HELP = ('also run the long suite: tests marked "long" (searches, gallery ports, resume after SIGKILL, '
@@ -66,12 +73,21 @@ def long_leg_marker(filename: str) -> str:
   return 'multidevice_leg' if filename in LONG_ON_MULTIDEVICE_LEG else 'other_long_leg'
 
 
+NEEDS_ACCELERATOR = "needs a GPU or TPU: jax.default_backend() is 'cpu'"
+
+
 def pytest_collection_modifyitems(config, items):
   """Long tests get their CI leg's marker; without ``--long`` they are deselected (not skipped: they are not
-  part of this run)."""
+  part of this run). Tests marked ``accelerator`` skip on the CPU, saying why."""
   for item in items:
     if item.get_closest_marker('long'):
       item.add_marker(long_leg_marker(item.path.name))
+  if any(item.get_closest_marker('accelerator') for item in items):
+    import jax
+    if jax.default_backend() == 'cpu':
+      for item in items:
+        if item.get_closest_marker('accelerator'):
+          item.add_marker(pytest.mark.skip(reason=NEEDS_ACCELERATOR))
   if config.getoption('--long'):
     return
   long_items = [item for item in items if item.get_closest_marker('long')]
@@ -95,3 +111,26 @@ def pytest_collection_finish(session):
   for n in background.NUM_MICRO_BATCH_FOR_BRAINPY_SUITE:
     if f'test_brainpy_own_bptt_tests_pass_with_accum_bptt[{n}]' in names:
       background.start_brainpy_suite(n)
+
+
+@pytest.fixture(autouse=True, scope='session')
+def _float32_matmuls_off_the_cpu():
+  """On a GPU or TPU, every test runs with float32 matmuls (``jax_default_matmul_precision='highest'``).
+
+  The tests compare AccumBPTT with bp.BPTT (or ``jax.grad``) on the whole batch at float32 round-off
+  (``helpers.RTOL``), and at their default precision accelerators do not multiply float32 matrices in float32
+  (see ``helpers.py`` for why that makes the two computations differ by more than the order of a sum). With
+  float32 matmuls an accelerator agrees with a CPU to about seven digits, so the CPU's tolerances hold
+  unchanged. Set once for the whole session and for every thread (the first-batch loss check traces on its
+  own thread), so that every program a test measures or compares, fixtures' included, is traced alike.
+  """
+  import jax
+  if jax.default_backend() == 'cpu':
+    yield
+    return
+  before = jax.config.jax_default_matmul_precision
+  jax.config.update('jax_default_matmul_precision', 'highest')
+  try:
+    yield
+  finally:
+    jax.config.update('jax_default_matmul_precision', before)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._combine import weighted_sum
 from ._cut import MicroBatchPlan
 from ._shapes import second_sizes, traced_shapes
 
@@ -178,7 +179,7 @@ def stacked_partials(stacked: Sequence, rules: Sequence[MetricRule], weights, co
   for v, rule in zip(stacked, reduced):
     if rule.reduction == 'mean':
       w = jnp.asarray(weights if mean_by_weight else counts, jnp.float32)
-      out.append(jnp.tensordot(w, _wide(v), axes=1))
+      out.append(weighted_sum(w, v))  # not a matmul: see core/_combine.py
     elif rule.reduction == 'sum':
       out.append(_summed(v))
     elif rule.reduction == 'max':

@@ -103,7 +103,9 @@ def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroB
     *model_args, micro_cot, marks = micro_args
     outputs = jax.tree_util.tree_leaves(forward(tuple(model_args), size))
     scale = whole_share * marks.sum()  # 1 in the last micro-batch, 0 before it
-    return sum(jnp.vdot(o, (c * scale if w else c).astype(o.dtype)).real
+    # a product and a sum, not jnp.vdot: its gradient is the cotangent itself, where a matmul's would be
+    # rounded to bfloat16 on a TPU at the default precision (bp.BPTT's cotangents are not)
+    return sum(jnp.sum(jnp.conj(o) * (c * scale if w else c).astype(o.dtype)).real
                for o, c, w in zip(outputs, jax.tree_util.tree_leaves(micro_cot), whole)
                if jnp.issubdtype(jnp.asarray(o).dtype, jnp.inexact)) + jnp.zeros((), jnp.float32)
 

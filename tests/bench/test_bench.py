@@ -4,10 +4,11 @@ import json
 
 import pytest
 
+from brainpy_accum import compiled_step_bytes
 from brainpy_accum.bench import __main__ as bench_main
 from brainpy_accum.bench import soak
 from brainpy_accum.bench.measure import largest_batch_within, measure_all, per_round_ratio, time_in_rounds
-from brainpy_accum.bench.methods import Step
+from brainpy_accum.bench.methods import Step, build_step
 from brainpy_accum.bench.report import markdown_report, plot
 from brainpy_accum.bench.workloads import Shape
 
@@ -52,10 +53,11 @@ def test_quick_run_writes_report_json_and_figure(tmp_path):
 
 @pytest.mark.long
 def test_largest_batch_grows_with_micro_batches():
-  budget = 300_000
-  whole = largest_batch_within(budget, 'bptt', 'rnn', TINY._replace(time=40, hidden=32))
-  four = largest_batch_within(budget, 'accum', 'rnn', TINY._replace(time=40, hidden=32), num_micro_batch=4)
-  assert four > whole > 0
+  shape = TINY._replace(time=40, hidden=32)
+  budget = 2 * compiled_step_bytes(build_step('bptt', 'rnn', shape, abstract_data=True).compile())  # on this device
+  whole = largest_batch_within(budget, 'bptt', 'rnn', shape)
+  four = largest_batch_within(budget, 'accum', 'rnn', shape, num_micro_batch=4)
+  assert four > whole >= shape.batch
 
 
 def test_soak_runs_without_recompiling(capsys):

@@ -105,6 +105,7 @@ def test_finer_cuts_have_twice_and_four_times_the_micro_batches(batch_size, size
 def test_planner_chooses_remat_where_it_is_the_faster_fit_and_trains_as_bptt(remat_only_budget, capsys):
   x, y, budget = remat_only_budget
   small = make_batches((12,), num_time=NUM_TIME, n_in=8, n_out=4, seed=1)[0]
+  assert _step_bytes(12, False, *small) <= budget  # the small batch fits whole without remat (on this device)
   memory_only = _trainer(num_micro_batch='auto', memory_budget=budget)
   memory_only.target.reset(48)
   assert memory_only.plan_memory(x, y).num_micro_batches > 1

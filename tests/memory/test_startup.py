@@ -40,7 +40,8 @@ def data():
   probe = _trainer(num_micro_batch='auto', memory_budget='1GiB', cache=False)
   probe.target.reset(SIZE)
   need = {s: probe.compiled_step_bytes(plan_micro_batches(SIZE, micro_batch_size=s), FIT, *batches[0])
-          for s in (8, 12)}
+          for s in (8, 12)}  # XLA's bytes on this device (8 and 12 samples take 8 and 16 rows of a TPU's tiles)
+  assert need[8] < need[12], need
   return batches, (need[8] + need[12]) // 2, need
 
 

@@ -19,7 +19,8 @@ from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.memory._budget import candidate_micro_batch_sizes, step_memory
 from brainpy_accum.memory._stream import best_chunk, chunk_candidates, chunk_sizes, combine
-from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
+from helpers import (assert_trees_close, make_batches, make_model, optimizer_state, params_of, step_bytes,
+                     streaming_budget)
 from test_training_loop import windows
 
 
@@ -36,13 +37,20 @@ def _batches(sizes, seed=1):
 
 
 def _budget(batches, times_smaller=3):
-  """A budget that the data of the largest batch exceeds ``times_smaller`` times."""
+  """A budget that the data of the largest batch exceeds ``times_smaller`` times (the arrays' own bytes: for
+  checks made by arithmetic, before anything is compiled)."""
   return max(x.nbytes + y.nbytes for x, y in batches) // times_smaller
 
 
-def test_batch_several_times_the_budget_trains_as_bptt():
+def _probe(model, loss=bp.losses.mean_squared_error, **options):
+  """A trainer to measure steps with (its budget is not used)."""
+  return AccumBPTT(model, loss, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False, num_micro_batch='auto',
+                   memory_budget='1GiB', **options)
+
+
+def test_batch_whose_step_does_not_fit_streams_and_trains_as_bptt():
   batches = _batches((48, 48, 22))  # 22: a shorter last chunk, with a plan (and step) of its own
-  budget = _budget(batches)
+  budget = streaming_budget([_probe(_model())], batches)
   reference = bp.BPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
   reference.fit(batches, num_epoch=2)
   trainer = AccumBPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
@@ -69,7 +77,8 @@ def test_streamed_chunk_with_nan_is_left_out_and_the_clipped_update_is_that_of_t
   chunk (``skip_nonfinite``) leaves the batch's update to the other chunks (bp.BPTT on their samples, with
   the same clipping), and the chunks before the last update nothing (one Adam step per batch)."""
   batches = make_batches((24, 24, 24), num_time=T, n_in=N_IN, seed=5)
-  budget = _budget(batches)
+  budget = streaming_budget([_probe(make_model('rnn', n_in=N_IN), skip_nonfinite=True, clip_grad_norm=0.05)],
+                             batches)
   x, y = batches[1]
   x = x.copy()
   x[1, 3, 0] = np.nan  # in the first chunk of the second batch
@@ -100,7 +109,19 @@ def test_larger_chunk_ruled_out_by_the_same_cut_of_a_smaller_chunk_does_not_fit(
   measured in a smaller chunk, plus the larger chunk's extra data and states, exceeds the budget; measured
   anyway, that cut of the larger chunk does not fit (the bound was right), and training is bp.BPTT's."""
   batches = _batches((48,))
-  budget = _budget(batches)
+  x, y = batches[0]
+  # The workload: chunks of 6 in micro-batches of 3 fit (for the remat option that needs less), chunks of 6 in
+  # one piece and chunks of 12 in micro-batches of 3 do not, and the 6 more samples of a chunk of 12 put the
+  # cut of 3 measured in a chunk of 6 over the budget by arithmetic (all by XLA's bytes on this device).
+  measure = _probe(_model(), remat='auto', cache=False)
+  need = {(chunk, micro): min(step_bytes(measure, x, y, chunk, micro, True, remat) for remat in (False, True))
+          for chunk, micro in ((6, 3), (6, 6), (12, 3))}
+  measure.target.reset(12)
+  more_data = measure._fixed_bytes_at_least(x[:12], y[:12])
+  measure.target.reset(6)
+  more_data -= measure._fixed_bytes_at_least(x[:6], y[:6])
+  budget = need[6, 3] + min(need[6, 6] - need[6, 3], need[12, 3] - need[6, 3], more_data) // 2
+  assert need[6, 3] <= budget < min(need[6, 6], need[12, 3], need[6, 3] + more_data), (need, more_data)
   probed = []
   trainer = AccumBPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
                       num_micro_batch='auto', memory_budget=budget, remat='auto', cache=False)
@@ -128,7 +149,8 @@ def test_streamed_carried_states_and_windows_train_as_bptt():
   """``reset_state=False`` (each chunk continues its samples' state) and ``accumulate_steps=2`` (chunks of
   two batches, one update) against bp.BPTT on the windows' concatenated batches."""
   batches = _batches((32, 32, 32, 32), seed=2)
-  budget = _budget(batches)
+  rnn = lambda: make_model('rnn', n_in=N_IN, n_hidden=N_HIDDEN)
+  budget = streaming_budget([_probe(_model()), _probe(rnn(), accumulate_steps=2)], batches)
   reference = bp.BPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
   reference.fit(batches, num_epoch=1)
   reference.fit(batches, num_epoch=1, reset_state=False)
@@ -142,7 +164,6 @@ def test_streamed_carried_states_and_windows_train_as_bptt():
 
   # A window's batches are reset one by one, bp.BPTT's merged batch at once: random initial states would
   # differ, so this half uses the rate network (zero initial state).
-  rnn = lambda: make_model('rnn', n_in=N_IN, n_hidden=N_HIDDEN)
   reference = bp.BPTT(rnn(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
   reference.fit(windows(batches, 2), num_epoch=1)
   trainer = AccumBPTT(rnn(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
@@ -157,7 +178,8 @@ def test_streamed_rerun_takes_its_chunk_from_the_plan_cache(tmp_path, capsys):
   chunk's plan comes from the cache, its step compiled again and measured, and training is the same. A
   cached choice that names no chunk size of the batch is ignored with a note, and the search runs again."""
   batches = _batches((24,))
-  options = dict(progress_bar=False, num_micro_batch='auto', memory_budget=_budget(batches), cache=tmp_path)
+  budget = streaming_budget([_probe(_model())], batches)
+  options = dict(progress_bar=False, num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
   trainer = lambda: AccumBPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), **options)
   first = trainer()
   first.fit(batches, num_epoch=1)
@@ -189,7 +211,12 @@ def test_chunk_size_planned_before_as_a_batch_is_planned_again_through_the_windo
   through the window and needs more memory, so a chunk size planned as a plain batch is planned again. The
   chosen chunk's step fits the budget by XLA's measure, whichever batch comes first."""
   batches = make_batches((12, 96), num_time=50, n_in=64, seed=1)
-  budget = int(sum(a.nbytes for a in batches[1]) * 0.47)
+  # between the batch of 12's step in one piece (fits) and that step through the window (does not), by XLA's
+  # bytes on this device: a plan of 12 made for the plain step does not hold for the chunk's
+  measure = _probe(make_model('rnn', n_in=64, n_hidden=64), remat=True)
+  plain, through = (step_bytes(measure, *batches[0], 12, 12, via_window) for via_window in (False, True))
+  budget = (plain + through) // 2
+  assert plain < budget < through < step_bytes(measure, *batches[1], 96, 1, False), (plain, through)
   reference = bp.BPTT(make_model('rnn', n_in=64, n_hidden=64), bp.losses.mean_squared_error,
                       optimizer=bp.optim.Adam(lr=0.01), progress_bar=False)
   reference.fit(batches, num_epoch=1)
@@ -198,6 +225,7 @@ def test_chunk_size_planned_before_as_a_batch_is_planned_again_through_the_windo
                       memory_budget=budget, remat=True)
   trainer.fit(batches, num_epoch=1)
   chunk = trainer.stream_chunks[96]
+  assert chunk == 12  # the workload: the chunk is the size planned before as a plain batch (now 2 x 6)
   x, y = (a[:chunk] for a in batches[1])
   trainer.target.reset(chunk)
   close = step_memory(trainer.compile_step(x, y, plan=trainer.plan_for(chunk), via_window=True, quick=True))
@@ -223,7 +251,7 @@ def test_streamed_chunks_trained_in_one_piece_still_get_the_loss_check():
                     num_micro_batch='auto', memory_budget='1GiB', cache=False)
   probe.target.reset(2)
   budget = probe.compiled_step_bytes(plan_micro_batches(2, micro_batch_size=2), FIT, x[:2], y[:2], via_window=True)
-  assert budget < x.nbytes + y.nbytes  # the batch is streamed
+  assert budget < step_bytes(probe, x, y, 24, 1, via_window=False)  # the batch is streamed
   trainer = AccumBPTT(_model(), _max_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
                       num_micro_batch='auto', memory_budget=budget, cache=False)
   with pytest.warns(UserWarning, match='couples the samples'):
@@ -237,8 +265,16 @@ def test_budget_below_one_sample_names_what_streaming_needs_and_that_figure_trai
   chunks of one, checked silently (a mean over samples) and trained as bp.BPTT, while a loss that couples the
   samples warns (the check takes the batch's first two samples)."""
   batches = _batches((24, 24), seed=3)
+  # between one sample's arguments and updated parameters (by arithmetic: a streamed chunk of one is planned) and
+  # its step through the window (XLA's bytes on this device)
+  measure = _probe(_model(), _mean_over_samples, cache=False)
+  x, y = batches[0]
+  one = step_bytes(measure, x, y, 1, 1, via_window=True)
+  measure.target.reset(1)
+  least = measure._fixed_bytes_at_least(x[:1], y[:1])
+  assert least < one, (least, one)
   trainer = AccumBPTT(_model(), _mean_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
-                      num_micro_batch='auto', memory_budget=_budget(batches, 6), cache=False)
+                      num_micro_batch='auto', memory_budget=(least + one) // 2, cache=False)
   before = params_of(trainer.target)
   with pytest.raises(ValueError, match='streamed from the host one sample at a time it needs') as error:
     trainer.fit(batches, num_epoch=1)
@@ -277,8 +313,9 @@ def test_whole_batch_loss_batch_whose_data_exceeds_the_budget_is_refused_naming_
 
 def test_batch_that_fits_is_not_streamed():
   batches = _batches((8,))
+  budget = 2 * step_bytes(_probe(_model()), *batches[0], 8, 8, via_window=False)  # the whole step, twice over
   trainer = AccumBPTT(_model(), bp.losses.mean_squared_error, progress_bar=False, num_micro_batch='auto',
-                      memory_budget='64MiB')
+                      memory_budget=budget)
   trainer.fit(batches, num_epoch=1)
   assert trainer.stream_chunks == {} and trainer.memory_plans[8][0].num_micro_batches == 1
 

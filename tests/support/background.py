@@ -30,8 +30,12 @@ NUM_MICRO_BATCH_FOR_BRAINPY_SUITE = (2, 3)  # even and uneven splits of BrainPy'
 
 
 def env(**extra) -> dict:
-  """This environment, with the support and test folders importable and ``extra`` set."""
-  values = dict(os.environ, **extra)
+  """This environment, with the support and test folders importable and ``extra`` set.
+
+  The processes run on the CPU (``JAX_PLATFORMS=cpu``) whatever this one runs on: on a GPU or TPU the session
+  holds the device (only one process can hold a TPU), and their checks simulate devices on the CPU.
+  """
+  values = dict(os.environ, JAX_PLATFORMS='cpu', **extra)
   if 'XLA_FLAGS' in extra and os.environ.get('XLA_FLAGS'):  # keep the session's flags (conftest's -O0)
     values['XLA_FLAGS'] = f"{os.environ['XLA_FLAGS']} {extra['XLA_FLAGS']}"
   values['PYTHONPATH'] = os.pathsep.join([str(HERE)] + TEST_FOLDERS + [p for p in [values.get('PYTHONPATH')] if p])

@@ -1,11 +1,32 @@
-"""Tiny models, data and one tolerance helper shared by the tests."""
+"""Tiny models, data, one tolerance helper and memory budgets measured on the running device, shared by the tests.
+
+The tolerances, on every platform:
+
+- ``RTOL, ATOL`` (1e-5, 1e-6): float32 round-off of summing micro-batch gradients in another order, after a few
+  Adam steps, measured on the CPU. They hold on a GPU or TPU too, because there every test runs with float32
+  matmuls (``jax_default_matmul_precision='highest'``, set in ``tests/conftest.py``), where an accelerator
+  agrees with a CPU to about seven digits. They are never loosened for a platform.
+- Why not at the accelerator's default precision: there a float32 matmul rounds its operands to bfloat16 (a
+  TPU; TensorFloat-32 on a GPU), and a micro-batch's gradient is that of its own mean loss, scaled by ``b / B``
+  only after its backward matmuls: their operands differ from the whole batch's (a factor ``1 / b`` for
+  ``1 / B``) by more than the order of a sum, and the rounding turns that into 2e-3 to 7e-2 in single
+  elements. (Measured on the CPU with every float32 ``dot_general`` rounding its operands to bfloat16, a rate
+  RNN's gradient for 10 samples: cuts 3+3+3+1 and 4+4+2 give 0.04 and 0.07 in the worst element, 1e-3 in
+  relative L2; 5+5, where ``b / B`` is a power of two, and the whole batch with its samples permuted give 4e-7.
+  Differentiating each micro-batch's loss already scaled by ``b / B`` gives under 1e-6 for every cut.) So at that
+  precision the whole-batch references of the core and equivalence tests are not the micro-batched
+  computation, whatever the tolerance; with float32 matmuls they are, to round-off.
+"""
 
 import brainpy as bp
 import brainpy.math as bm
 import jax
 import numpy as np
 
-# float32 round-off of summing micro-batch gradients in another order, after a few Adam steps.
+from brainpy_accum import plan_micro_batches
+from brainpy_accum.memory._budget import step_memory
+
+# float32 round-off of summing micro-batch gradients in another order, after a few Adam steps (see above).
 RTOL, ATOL = 1e-5, 1e-6
 
 
@@ -109,3 +130,25 @@ def mse_with_aux(predicts, targets):
 def optimizer_state(trainer):
   """Every Variable of the optimizer (moments, step counters) as NumPy arrays, in a stable order."""
   return [np.asarray(v) for v in trainer.optimizer.vars().unique().values()]
+
+
+# Memory budgets: from what XLA measures for the program at hand on the running device (a TPU pads arrays to
+# (8, 128) tiles, so the same step has other sizes there than on a CPU), never from a byte figure of one machine.
+
+def step_bytes(trainer, x, y, size, micro, via_window, remat=None) -> int:
+  """XLA's bytes, on this device, of ``trainer``'s step of the first ``size`` samples of ``x, y`` cut into
+  micro-batches of ``micro`` (through the ``accumulate_steps`` window, as a streamed chunk's, if ``via_window``)."""
+  trainer.target.reset(size)
+  plan = plan_micro_batches(size, micro_batch_size=micro)._replace(remat=remat)
+  return step_memory(trainer.compile_step(x[:size], y[:size], plan=plan, via_window=via_window, quick=True)).total
+
+
+def streaming_budget(probes, batches, chunk=6) -> int:
+  """A budget between two steps of each trainer in ``probes`` as XLA measures them on this device: a chunk of
+  ``chunk`` samples in one piece through the window (a streamed chunk's step), which fits, and the smallest step
+  that holds the smallest batch on the device (one sample per micro-batch), which does not: every batch streams."""
+  x, y = min(batches, key=lambda batch: len(batch[0]))
+  streamed = max(step_bytes(probe, x, y, chunk, chunk, via_window=True) for probe in probes)
+  whole = min(step_bytes(probe, x, y, len(x), 1, via_window=False) for probe in probes)
+  assert streamed < whole, (streamed, whole)
+  return (streamed + whole) // 2

@@ -16,7 +16,7 @@ import pytest
 
 from brainpy_accum import AccumBPTT
 from brainpy_accum.core._metrics import MetricRule, combine_on_host
-from helpers import ATOL, RTOL, make_batches, make_model, params_of
+from helpers import ATOL, RTOL, make_batches, make_model, params_of, streaming_budget
 
 SIZES = (10, 10)  # uneven splits: 10 = 4 + 4 + 2 at num_micro_batch=3 (bp.BPTT's history of per-sample metrics
 #                  needs batches of one size: it stacks them), test batches of 9 = 3 x 3
@@ -200,11 +200,15 @@ def test_history_of_different_shapes_survives_a_checkpoint():
 
 @pytest.mark.long
 def test_streamed_chunks_record_bptt_metrics():
-  """Batches streamed from the host in chunks (their data is twice the budget): the metrics combine chunk by
-  chunk on the host, by the same rules, and equal bp.BPTT's batch by batch (learning rate 0, as above)."""
+  """Batches streamed from the host in chunks (no step that holds a whole batch fits the budget): the metrics
+  combine chunk by chunk on the host, by the same rules, and equal bp.BPTT's batch by batch (learning rate 0, as
+  above)."""
   shape = dict(n_in=64, num_time=100)
   _, expected, _, _ = reference(lr=0., **shape)
-  budget = 10 * 100 * (64 + 2) * 4 // 2  # a batch of 10: inputs (10, 100, 64), targets (10, 100, 2), float32
+  probe = AccumBPTT(make_model('rnn', n_in=64), metrics_loss(False), loss_has_aux=True, aux_reduction=DECLARED,
+                    num_micro_batch='auto', memory_budget='1GiB', progress_bar=False)
+  # the test batch of 9, the smallest: XLA's bytes on this device of its whole step, and of a chunk of one
+  budget = streaming_budget([probe], make_batches((9,), seed=1, **shape), chunk=1)
   trainers = []
   _, streamed, _, _ = fit(AccumBPTT, lr=0., num_micro_batch='auto', memory_budget=budget, aux_reduction=DECLARED,
                           trainers=trainers, **shape)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import background
 from brainpy_accum import AccumBPTT
 from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
 
@@ -219,7 +220,7 @@ def test_resume_equals_training_straight_through(fresh_process, tmp_path):
     out = str(tmp_path / 'resumed.npz')
     script = RESUME.format(tests=os.path.join(os.path.dirname(__file__), os.pardir, 'support'), path=path, sizes=sizes,
                            out=out)
-    subprocess.run([sys.executable, '-c', script], check=True, capture_output=True)
+    subprocess.run([sys.executable, '-c', script], check=True, capture_output=True, env=background.env())
     resumed = np.load(out)
     resumed = [resumed[f'arr_{i}'] for i in range(len(resumed.files))]
   else:
