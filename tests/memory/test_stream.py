@@ -117,9 +117,9 @@ def test_larger_chunk_ruled_out_by_the_same_cut_of_a_smaller_chunk_does_not_fit(
   need = {(chunk, micro): min(step_bytes(measure, x, y, chunk, micro, True, remat) for remat in (False, True))
           for chunk, micro in ((6, 3), (6, 6), (12, 3))}
   measure.target.reset(12)
-  more_data = measure._fixed_bytes_at_least(x[:12], y[:12])
+  more_data = measure._fixed_bytes(x[:12], y[:12])
   measure.target.reset(6)
-  more_data -= measure._fixed_bytes_at_least(x[:6], y[:6])
+  more_data -= measure._fixed_bytes(x[:6], y[:6])
   budget = need[6, 3] + min(need[6, 6] - need[6, 3], need[12, 3] - need[6, 3], more_data) // 2
   assert need[6, 3] <= budget < min(need[6, 6], need[12, 3], need[6, 3] + more_data), (need, more_data)
   probed = []
@@ -271,7 +271,7 @@ def test_budget_below_one_sample_names_what_streaming_needs_and_that_figure_trai
   x, y = batches[0]
   one = step_bytes(measure, x, y, 1, 1, via_window=True)
   measure.target.reset(1)
-  least = measure._fixed_bytes_at_least(x[:1], y[:1])
+  least = measure._fixed_bytes(x[:1], y[:1])
   assert least < one, (least, one)
   trainer = AccumBPTT(_model(), _mean_over_samples, optimizer=bp.optim.Adam(lr=0.01), progress_bar=False,
                       num_micro_batch='auto', memory_budget=(least + one) // 2, cache=False)

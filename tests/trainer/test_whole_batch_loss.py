@@ -118,7 +118,7 @@ def test_two_passes_pull_back_without_a_matmul_of_their_own():
   trainer = AccumBPTT(model, lambda p, t: batch_max(p, t)[0], optimizer=bp.optim.Adam(lr=2e-2), num_micro_batch=3,
                       whole_batch_loss=True, progress_bar=False)
   x, y = make_batches((10,), n_in=3, n_out=3)[0]
-  with trainer._step_for(None) as step:
+  with trainer._steps.for_plan(None) as step:
     text = step.lower(bp.tools.DotDict(fit=True), x, y).as_text()
   assert 'dot_general' not in text and 'stablehlo.dot' not in text
 
