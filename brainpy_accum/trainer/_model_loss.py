@@ -17,6 +17,7 @@ import numpy as np
 
 from ..core._batch import is_array
 from ..core._cut import MicroBatchPlan
+from ..core._shared_env import restores_shared_env
 from ..memory._remat import checkpointed_time_loop
 
 __all__ = ['ModelLoss']
@@ -27,6 +28,10 @@ class ModelLoss:
 
   # With remat='auto' each batch size has its own remat, read while its step is traced (see _remat_in_effect).
   _plan_in_trace: Optional[MicroBatchPlan] = None
+
+  @restores_shared_env  # the time step's bp.share.save(i=..., t=..., **shared_args) holds tracers: gone at its end
+  def _step_func_predict(self, *args, **kwargs):
+    return super()._step_func_predict(*args, **kwargs)
 
   def _fun_predict(self, indices, *inputs, shared_args=None):
     remat = self._remat_in_effect()  # per batch size with remat='auto'
