@@ -82,11 +82,12 @@ def shared_env_restored() -> Iterator[None]:
   ...   with shared_env_restored():
   ...     bp.share.save(t=t)
   ...     return bp.share.load('t') * 2.
+  >>> bp.share.save(t=0.)
   >>> with jax.checking_leaks():
   ...   float(jax.jit(step)(jnp.float32(1.5)))
   3.0
-  >>> bp.share.load('t', 'unset')
-  'unset'
+  >>> bp.share.load('t')  # as before, not a tracer
+  0.0
   """
   snapshot = _snapshot()
   try:
@@ -107,9 +108,12 @@ def restores_shared_env(fn: Callable) -> Callable:
   ... def step(i):
   ...   bp.share.save(i=i)
   ...   return bp.share.load('i') + 1
+  >>> bp.share.save(i=0)
   >>> with jax.checking_leaks():
   ...   int(jax.jit(step)(jnp.int32(1)))
   2
+  >>> bp.share.load('i')
+  0
   """
 
   @functools.wraps(fn)

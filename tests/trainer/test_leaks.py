@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT
-from brainpy_accum.core._shared_env import shared_env_restored
+from brainpy_accum.core._shared_env import shared_env_restored, shared_environments
 from helpers import make_batches, make_model, params_of
 
 SIZES = (5,)  # 5 samples of 5 time steps: targets whose axes 0 and 1 both have the batch's size (their
@@ -23,8 +23,12 @@ SIZES = (5,)  # 5 samples of 5 time steps: targets whose axes 0 and 1 both have 
 
 @pytest.fixture(autouse=True)
 def _share_left_as_found():
-  """Each test starts and ends with BrainPy's environment as the suite had it (bp.BPTT leaves tracers there)."""
+  """Each test starts without the time step's keys, as a fresh process does, and ends with BrainPy's
+  environment as the suite had it (other tests' bp.BPTT runs leave tracers there)."""
   with shared_env_restored():
+    for env in shared_environments():
+      for key in ('i', 't', 'fit'):
+        env.settings.pop(key, None)
     yield
 
 
