@@ -24,6 +24,7 @@ from ..checkpoint._save_load import save as save_checkpoint
 from ..core._batch import BatchLayout, batch_layout
 from ..core._cut import MicroBatchPlan, as_int
 from ..core._mesh import auto_axes, check_mesh, mesh_size, place, random_states
+from ..core._shared_env import restores_shared_env
 from ..core._states import batched_variables
 from ..diagnostics._compiles import Compilations
 from ..memory._budget import argument_bytes, compiled_step_bytes, fixed_bytes_at_least
@@ -614,6 +615,10 @@ class AccumBPTT(bp.BPTT):
   def f_loss(self):
     """The micro-batched evaluation step (jitted unless ``jit`` says otherwise)."""
     return self._steps.jitted('loss')
+
+  @restores_shared_env  # the time step's bp.share.save(i=..., t=..., **shared_args) holds tracers: gone at its end
+  def _step_func_predict(self, *args, **kwargs):
+    return super()._step_func_predict(*args, **kwargs)
 
   def _fun_predict(self, indices, *inputs, shared_args=None):
     plain = super()._fun_predict

@@ -8,7 +8,10 @@ written for ``bp.BPTT`` still catch them.
 
 import math
 import warnings
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
+import brainpy.math as bm
+import brainstate
 import numpy as np
 from brainpy._errors import NoLongerSupportError, UnsupportedError
 
@@ -18,9 +21,9 @@ from ..core._metrics import check_aux_reduction
 from ..memory._budget import parse_memory
 from ..memory._device import as_fraction
 
-__all__ = ['BareBatchError', 'RemovedArgumentError', 'ReportCallbackError', 'check_accumulation_args',
-           'check_data', 'check_fit_args', 'check_remat', 'check_trainer_args', 'check_update_args',
-           'check_whole_batch_loss', 'warn_batch_statistics']
+__all__ = ['BareBatchError', 'RemovedArgumentError', 'ReportCallbackError', 'carried_states', 'check_accumulation_args',
+           'check_carried_batch', 'check_carried_sizes', 'check_data', 'check_fit_args', 'check_remat',
+           'check_trainer_args', 'check_update_args', 'check_whole_batch_loss', 'warn_batch_statistics']
 
 
 class RemovedArgumentError(TypeError, NoLongerSupportError):
@@ -161,3 +164,95 @@ def check_data(name: str, data) -> None:
                                                                for d in data):
     raise BareBatchError(f'{name} looks like one bare (X, Y) pair. Give an iterable of batches instead, '
                     f'e.g. {name}=[(X, Y)] for a single batch.')
+
+
+# ------------------------------------------------------------------ reset_state=False: batches of the state's size
+
+
+def carried_states(model) -> List[Tuple[str, int, int]]:
+  """``(name, batch axis, samples)`` of each model state that ``fit(reset_state=False)`` carries into the next
+  batch: the brainpy Variables with a ``batch_axis``, not trainable, not random keys. Empty for a model without
+  batched state, which takes batches of any size."""
+  found = []
+  for name, var in model.vars().unique().items():
+    axis = getattr(var, 'batch_axis', None)
+    if axis is None or isinstance(var, (bm.TrainVar, brainstate.random.RandomState)):
+      continue
+    shape = np.shape(var.value)
+    if len(shape) > axis:
+      found.append((name, axis, shape[axis]))
+  return found
+
+
+def _carrying(name: str, axis: int, samples: int) -> str:
+  built = (' (a model is built with states of one sample: one never reset at the batch size holds 1)'
+           if samples == 1 else '')
+  return (f'with reset_state=False each batch continues, sample by sample, the model state it finds, and model '
+          f'state {name} holds {_samples(samples)} along its batch axis {axis}{built}')
+
+
+def _samples(n: int) -> str:
+  return f'{n} sample{"s" * (n != 1)}'
+
+
+def check_carried_batch(model, batch_size: int, data_name: str, position: int) -> None:
+  """With ``reset_state=False``: a batch of ``batch_size`` samples fits the model state it continues, or a
+  ``ValueError`` naming the sizes, before the batch changes anything (:class:`brainpy.BPTT` fails there too, inside
+  JAX: its time loop cannot carry a state of another size)."""
+  for name, axis, samples in carried_states(model):
+    if samples != batch_size:
+      raise ValueError(f'Batch {position} of {data_name} has {batch_size} samples, but {_carrying(name, axis, samples)}'
+                       f'. Reset the model at the batch size first (model.reset({batch_size})), fit with '
+                       f'reset_state=True (each batch starts from a state reset at its size), or give batches of '
+                       f'{_samples(samples)}. Nothing of this batch has run.')
+
+
+def _sequence_batches(data) -> Optional[Iterator]:
+  """The batches of ``data`` when it can be read twice without being consumed (a list, a tuple, an object with
+  ``__len__`` and ``__getitem__`` that is not its own iterator); ``None`` for generators, iterators and callables,
+  which are checked batch by batch."""
+  if callable(data) or not (hasattr(data, '__len__') and hasattr(data, '__getitem__')) or isinstance(data, dict):
+    return None
+  try:
+    if iter(data) is data:
+      return None
+  except TypeError:
+    return None
+  return iter(data)
+
+
+def check_carried_sizes(model, batch_size_of: Callable[[Any, Any], int], **data_sets) -> None:
+  """With ``reset_state=False``, before the first update: every batch of each data set given as a sequence
+  (``train_data=..., test_data=...``) has the size of the model state it continues, so that no run stops
+  half-trained at a batch of another size. ``batch_size_of(inputs, targets)``: a batch's size (its checks).
+  Generators and callables are checked batch by batch (:func:`check_carried_batch`)."""
+  states = carried_states(model)
+  if not states:
+    return
+  for data_name, data in data_sets.items():
+    batches = None if data is None else _sequence_batches(data)
+    if batches is None:
+      continue
+    sizes = []
+    for batch in batches:  # up to a malformed batch, which the loop refuses when it reaches it, after those before
+      if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        break
+      try:
+        sizes.append(batch_size_of(batch[0], batch[1]))
+      except (ValueError, TypeError):
+        break
+    for name, axis, samples in states:
+      wrong = [position for position, size in enumerate(sizes) if size != samples]
+      if wrong:
+        shown = ', '.join(f'{p} ({sizes[p]} samples)' for p in wrong[:5]) + (', ...' if len(wrong) > 5 else '')
+        raise ValueError(f'{data_name} has batches of {_listed(sizes)} samples, but {_carrying(name, axis, samples)}'
+                         f': batch{"es" * (len(wrong) > 1)} {shown} do{"es" * (len(wrong) == 1)} not fit it. '
+                         f'Checked before training: nothing has changed. Give batches of {_samples(samples)}, reset '
+                         f'the model at your batches\' size first (model.reset(size)), or fit with reset_state=True '
+                         f'(each batch starts from a state reset at its size).')
+
+
+def _listed(sizes: List[int]) -> str:
+  """The distinct sizes in order of appearance: ``'2, 4 and 3'``."""
+  distinct = [str(size) for size in dict.fromkeys(sizes)]
+  return distinct[0] if len(distinct) == 1 else ', '.join(distinct[:-1]) + ' and ' + distinct[-1]

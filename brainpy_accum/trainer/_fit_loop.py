@@ -26,7 +26,7 @@ from ..core._states import all_samples, batched_variables, declared_batch_axes, 
 from ..diagnostics._compiles import count_compilations
 from ..memory._oom import run_with_retry
 from ..memory._stream import chunk_sizes, combine, host_chunk
-from ._arguments import check_data, check_fit_args
+from ._arguments import check_carried_batch, check_carried_sizes, check_data, check_fit_args
 from ._report import PhaseLog
 from ._window import steps_for_epoch, with_last_flag
 
@@ -128,6 +128,9 @@ def fit(trainer, parts: TrainerParts, train_data, test_data, num_epoch: int, num
   options = LoopOptions(num_report, reset_state, shared_args, fun_after_report, show_bars=trainer.progress_bar)
   run = Run(trainer, parts.window, None if checkpoint is None else os.fspath(checkpoint), checkpoint_every)
   run.resume()
+  if not reset_state:  # every batch of a list continues the model state: all of its size, before any update
+    check_carried_sizes(trainer.target, lambda x, y: parts.check_batch(x, y).batch_size, train_data=train_data,
+                        test_data=test_data)
   logs = run.logs
   try:
     with parts.without_time_step_bars(), brainstate.environ.context(fit=True), deferred_signals() as stop:
@@ -171,6 +174,8 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
       if options.reset_state:
         trainer.target.reset(layout.batch_size)
         trainer.reset_state()
+      else:  # the model state this batch continues holds as many samples
+        check_carried_batch(trainer.target, layout.batch_size, f'{"train" if phase == "fit" else "test"}_data', position)
       parts.place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
       # the first-batch check (once per trainer, changes nothing): ``start`` it later, or ``early`` it started
       early = start = None

@@ -107,7 +107,8 @@ def test_stateful_training_needs_state_of_the_batch_size():
   trainer = make_trainer()
   trainer.target.reset(3)
   params = params_of(trainer.target)
-  with pytest.raises(ValueError, match=r'holds 3 samples along its batch axis 0, but the batch has 6'):
+  with pytest.raises(ValueError, match=r'reset_state=False.* holds 3 samples along its batch axis 0: batch 0 '
+                                       r'\(6 samples\) does not fit it'):
     trainer.fit(make_batches((6,)), num_epoch=1, reset_state=False)
   assert_trees_close(params_of(trainer.target), params, rtol=0, atol=0)
 

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from brainpy_accum import AccumBPTT  # noqa: E402
 from helpers import make_model, optimizer_state, params_of  # noqa: E402
+from test_stateful_sizes import check_stateful_run, stateful_runs  # noqa: E402
 
 pytestmark = pytest.mark.long  # the long suite (--long): CI runs it on one long leg (tests/conftest.py)
 
@@ -191,3 +192,15 @@ def test_misbehaving_data_trains_what_it_gave_then_refuses_or_reraises(kind, sto
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
   if kind == 'ends_early':
     assert len(trainer.get_hist_metric('fit', which='detailed')) == stop
+
+
+# Each example builds a trainer; refused runs compile nothing. BRAINPY_ACCUM_SEARCH=150 searches further.
+STATEFUL_EXAMPLES = int(os.environ.get('BRAINPY_ACCUM_SEARCH', 40))
+
+
+@settings(SETTINGS, max_examples=STATEFUL_EXAMPLES)
+@given(run=stateful_runs())
+def test_stateful_runs_of_changing_sizes_searched_further(run):
+  """With ``reset_state=False`` and batches of changing sizes, no error from inside JAX and no half-applied update:
+  the quick search of ``test_stateful_sizes.py``, further (see its ``check_stateful_run``)."""
+  check_stateful_run(run)
