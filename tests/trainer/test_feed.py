@@ -247,6 +247,30 @@ def test_feed_keeps_the_last_flag_and_the_error_of_a_failing_source():
   assert [last for _, last in Feed([(np.ones((2, 1)), np.ones(2))])] == [True]
 
 
+def test_a_source_may_reuse_the_arrays_of_the_batch_two_back(monkeypatch):
+  """A source may refill a batch's host arrays when it makes the batch two after it (the loop has called that
+  batch's step by then): its copy to the device is complete before the source is read on."""
+  class Copy(tuple):
+    def block_until_ready(self):
+      events.append(('copied', int(self[0][0])))
+      return self
+
+  events = []
+  monkeypatch.setattr(_feed, 'on_device', lambda batch: Copy(batch))
+
+  def source():
+    for i in range(5):
+      events.append(('read', i))
+      yield np.full(1, i), np.zeros(1)
+
+  feed = Feed(source())
+  for batch, last in feed:
+    feed.dispatched(jnp.zeros(()))
+  reads = {i: events.index(('read', i)) for i in range(5)}
+  for i in (1, 2):  # the batches sent ahead and handed on before the source made batch i + 2
+    assert reads[i + 1] < events.index(('copied', i)) < reads[i + 2]
+
+
 def test_prefetch_bytes_counts_the_copies_on_the_device():
   x, y = np.ones((8, 5, 3), np.float32), np.zeros((8,), np.int64)
   assert prefetch_bytes(x, y) == 8 * 5 * 3 * 4 + 8 * np.dtype(jax.dtypes.canonicalize_dtype(np.int64)).itemsize
