@@ -8,10 +8,15 @@ waits for it. :meth:`AccumBPTT.fit` sends it earlier instead (double buffering):
     wait until step(batch k - 1) is done        # its batch leaves the device
     jax.device_put(batch k + 1)       # asynchronous: copied while step k runs
 
-so the device holds the batch of the running step and at most one more. Nothing is read from the data ahead
+so the device holds the batch of the running step and at most one more. This is for accelerators (GPU, TPU),
+where the copy crosses to the chip and can run beside the step. On a CPU, JAX's default device being the host,
+nothing is sent ahead by default: there a jitted step takes a NumPy array more cheaply than a copy made ahead
+(on the benchmark's CPU, sending a 0.8 MB batch ahead cost about 0.6 ms, a tenth of a 7 ms step), and the loop
+stays as it was. Nothing is read from the data ahead
 of what fit reads anyway (one batch, a generator's laziness is kept), the step is the same program on the same
 values (the copy is what the step would have made: bit for bit the same results), and the loop waits on a
-step only to keep that bound, one step behind the device (never while the device is idle for it).
+step only to keep that bound, one step behind the device (never while the device is idle for it). The batch
+sent ahead takes :func:`prefetch_bytes` on the device beside the step: what a memory plan must leave free.
 
 Only what can go ahead goes ahead: a batch whose leaves are all arrays (NumPy ones are copied, those already
 on the device are kept as they are, no copy) and whose tree, shapes and dtypes are those of the batch in hand,
@@ -32,25 +37,32 @@ import numpy as np
 from ..core._batch import is_array
 from ._window import with_last_flag
 
-__all__ = ['Feed', 'Ahead', 'on_device', 'overlapping', 'prefetch_bytes']
+__all__ = ['Feed', 'Ahead', 'on_device', 'overlapping', 'prefetch_bytes', 'sends_ahead']
 
-_OVERLAP = [True]  # switched off by :func:`overlapping` (the comparisons of the tests and the benchmark)
+_OVERLAP = [None]  # None: by the device (on an accelerator); :func:`overlapping` sets it for the tests and benchmark
 _NOTHING = object()
 
 
+def sends_ahead() -> bool:
+  """Whether ``fit`` sends batches ahead: as :func:`overlapping` says, else where the default device is an
+  accelerator (not on a CPU)."""
+  return jax.default_backend() != 'cpu' if _OVERLAP[0] is None else _OVERLAP[0]
+
+
 @contextlib.contextmanager
-def overlapping(enabled: bool):
-  """Within the ``with``, ``fit`` sends batches ahead (``True``, the default) or each with its step (``False``,
-  the loop as it was before): for comparing the two.
+def overlapping(enabled: Optional[bool]):
+  """Within the ``with``, ``fit`` sends batches ahead (``True``, also on a CPU) or hands each to its step
+  (``False``, the loop without the overlap), whatever the device; ``None``: by the device (the default). For
+  the tests, which run on a CPU, and for the benchmark's comparisons.
 
   Examples
   --------
   >>> from brainpy_accum.trainer._feed import Ahead, overlapping
-  >>> with overlapping(False):
+  >>> with overlapping(True):
   ...   Ahead().enabled
-  False
+  True
   """
-  before, _OVERLAP[0] = _OVERLAP[0], bool(enabled)
+  before, _OVERLAP[0] = _OVERLAP[0], None if enabled is None else bool(enabled)
   try:
     yield
   finally:
@@ -127,11 +139,12 @@ class Ahead:
 
   ``send(data)``, after a step's :meth:`dispatched`, first waits for the step before that one (which the
   device then has finished: its data is freed), then sends ``data``: the device holds the running step's data
-  and the data sent, no more. Without the overlap (:func:`overlapping`) it sends nothing and never waits.
+  and the data sent, no more. Where nothing is sent ahead (:func:`sends_ahead`) it sends nothing and never
+  waits.
   """
 
   def __init__(self):
-    self.enabled = _OVERLAP[0]
+    self.enabled = sends_ahead()
     self._running: Deque[Any] = collections.deque(maxlen=2)  # outputs of the last two steps dispatched
 
   def dispatched(self, outputs) -> None:
@@ -163,8 +176,10 @@ class Feed:
   --------
   >>> import numpy as np, jax.numpy as jnp
   >>> from brainpy_accum.trainer._feed import Feed
+  >>> from brainpy_accum.trainer._feed import overlapping
   >>> batches = [(np.full((2, 1), i, np.float32), np.zeros(2, np.float32)) for i in range(3)]
-  >>> feed = Feed(batches)
+  >>> with overlapping(True):  # also on a CPU
+  ...   feed = Feed(batches)
   >>> for (x, y), last in feed:
   ...   loss = jnp.sum(x)                    # the step, dispatched
   ...   feed.dispatched(loss)                # the next batch is sent ahead

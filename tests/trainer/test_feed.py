@@ -2,7 +2,8 @@
 
 The reference is the loop without the overlap (``overlapping(False)``: every batch handed to its step from the
 host, as before) and ``bp.BPTT``: with the overlap every result is the same, bit for bit, and the data source is
-read no further ahead than before.
+read no further ahead than before. ``fit`` sends batches ahead by default on an accelerator only: these tests,
+on a CPU, turn it on.
 """
 
 import re
@@ -16,10 +17,25 @@ import pytest
 
 from brainpy_accum import AccumBPTT
 from brainpy_accum.trainer import _feed, _fit_loop
-from brainpy_accum.trainer._feed import Feed, on_device, overlapping, prefetch_bytes
+from brainpy_accum.trainer._feed import Feed, on_device, overlapping, prefetch_bytes, sends_ahead
 from helpers import assert_trees_close, make_batches, make_model, mse_with_aux, optimizer_state, params_of
 
 EXACT = dict(rtol=0, atol=0)
+
+
+@pytest.fixture(autouse=True)
+def sending_ahead():
+  """The overlap on, also on this CPU (where fit leaves it off by default); ``overlapping(False)`` inside a
+  test turns it off for the comparison."""
+  with overlapping(True):
+    yield
+
+
+def test_batches_go_ahead_by_default_on_an_accelerator_only(monkeypatch):
+  with overlapping(None):
+    assert jax.default_backend() != 'cpu' or not sends_ahead()
+    monkeypatch.setattr(_feed.jax, 'default_backend', lambda: 'tpu')
+    assert sends_ahead()
 
 
 @pytest.fixture
