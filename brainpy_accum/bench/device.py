@@ -10,9 +10,10 @@ on an accelerator T=500, 1024 hidden, 128 inputs, batches 256 to 16,384), at eac
 - plain JAX + optax cut in as many micro-batches as AccumBPTT's plan (the nearest number that divides the batch),
   the same network with its read-out at every step;
 - for each, the time to the first epoch (a fresh trainer, cold caches: compilations, planning, first epoch) and
-  samples/s over an epoch of ``E`` batches through ``fit``: NumPy batches from the host (what a user passes; fit
-  sends each batch to the device while the step before it runs), the same without that overlap, and the same
-  batches already on the device (no copy: the step's own speed);
+  samples/s over an epoch of ``E`` batches through ``fit``: NumPy batches from the host (what a user passes)
+  sent to the device while the step before runs (what ``fit`` does on an accelerator), the same handed to each
+  step (what it does on a CPU, and bp.BPTT everywhere), and the same batches already on the device (no copy:
+  the step's own speed);
 - the achieved FLOP/s against the chip's peak (measured with a large matmul, and the vendor's figure where known).
   FLOPs are counted from the matmuls: ``6 B T (I H + H H + H O)`` a step (forward ``2 B T (...)``, the backward
   pass twice that); XLA's cost analysis is recorded as well, but it counts a loop body once, whatever its trip
@@ -20,8 +21,9 @@ on an accelerator T=500, 1024 hidden, 128 inputs, batches 256 to 16,384), at eac
 
 Trainers alternate within each round (order reversed every other round) and samples/s are medians of rounds;
 ratios between trainers are medians of per-round ratios (:mod:`.measure`). NumPy batches and device batches are
-timed in two phases (the device batch is made only for the second), so that the device holds one of them at a
-time. An epoch is the same batch ``E`` times (distinct batches would take ``E`` times the host memory, and more
+timed in the same rounds where three batches take at most a tenth of the device's memory (on a CPU always), else
+in two phases (the device batch made only for the second), so that the device holds one of them at a time. An
+epoch is the same batch ``E`` times (distinct batches would take ``E`` times the host memory, and more
 than the chip's at 16,384); each is copied to the device anew.
 
 Writes ``accelerator.json`` (the runs of every device measured so far, by device) and ``accelerator.md`` and
@@ -51,7 +53,7 @@ import optax
 
 from ..memory import compiled_step_bytes, parse_memory
 from ..trainer import AccumBPTT
-from ..trainer._feed import overlapping
+from ..trainer._feed import overlapping, prefetch_bytes
 from .measure import per_round_ratio, time_in_rounds
 from .methods import FIT, LEARNING_RATE, Step, loss_of, plain_jax_step
 from .workloads import Shape, jax_params, make_batch, make_brainpy_model
@@ -61,13 +63,14 @@ __all__ = ['ACCELERATOR', 'CPU', 'QUICK', 'measure_device', 'device_report', 'pl
 
 ACCELERATOR = dict(shape=Shape(batch=0, time=500, hidden=1024, inputs=128),
                    batches=(256, 512, 1024, 2048, 4096, 8192, 16384), epoch=8, rounds=3, budget=None)
-CPU = dict(shape=Shape(batch=0, time=50, hidden=128, inputs=64), batches=(64, 256, 1024), epoch=4, rounds=3,
+CPU = dict(shape=Shape(batch=0, time=50, hidden=128, inputs=64), batches=(64, 256, 1024), epoch=4, rounds=7,
            budget='32MiB')
 QUICK = dict(shape=Shape(batch=0, time=6, hidden=8, inputs=4), batches=(8, 16), epoch=2, rounds=1, budget='40KiB',
              peak_size=256)
 WORKLOADS = ('snn_ce', 'rnn_ce')
 NAMES = {'snn_ce': 'spiking network (SpikingRNN)', 'rnn_ce': 'rate RNN (RNNCell)'}
 TRAINERS = ('bp.BPTT', 'AccumBPTT', 'plain JAX + optax')
+AHEAD, WITH_STEP, DEVICE = 'numpy, sent ahead', 'numpy, with its step', 'device'  # how batches reach the step
 # the vendors' dense bf16 peaks, FLOP/s per chip, by device_kind (a substring of it)
 NOMINAL_PEAK = {'TPU v5 lite': 197e12, 'TPU v5e': 197e12, 'TPU v5p': 459e12, 'TPU v5': 459e12, 'TPU v4': 275e12,
                 'TPU v6 lite': 918e12, 'TPU v6e': 918e12, 'H100': 989e12, 'H200': 989e12, 'A100': 312e12}
@@ -106,9 +109,8 @@ def memory_refusal(error: BaseException) -> Optional[str]:
 
 def _device_facts(argv: Sequence[str]) -> dict:
   device = jax.devices()[0]
-  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
   return {'platform': device.platform, 'kind': device.device_kind, 'count': jax.device_count(),
-          'memory_limit': (stats or {}).get('bytes_limit'), 'host': _host(),
+          'memory_limit': _memory_limit(), 'host': _host(),
           'versions': {'python': platform.python_version(), 'jax': jax.__version__, 'jaxlib': _version('jaxlib'),
                        'brainpy': bp.__version__, 'brainstate': brainstate.__version__, 'optax': optax.__version__},
           'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
@@ -241,7 +243,7 @@ def _first_epoch(build: Callable[[], _Trainer], batches: List[tuple], row: dict)
   return trainer
 
 
-def _timed(trainer: _Trainer, batches: List[tuple], overlap: bool = True) -> Step:
+def _timed(trainer: _Trainer, batches: List[tuple], overlap: Optional[bool] = None) -> Step:
   def run():
     with overlapping(overlap):
       trainer.epoch(batches, quiet=True)
@@ -250,13 +252,16 @@ def _timed(trainer: _Trainer, batches: List[tuple], overlap: bool = True) -> Ste
 
 def measure_batch(workload: str, shape: Shape, epoch: int, rounds: int, budget: Optional[int],
                   bptt_fits: bool = True) -> List[dict]:
-  """Every trainer at ``shape.batch``: one row each (``'AccumBPTT'`` twice more: without the overlap, and the
-  device column is in the same row), see the module's docstring."""
+  """Every trainer at ``shape.batch``, one row each, see the module's docstring. NumPy and device batches are
+  timed in the same rounds where three batches take at most a tenth of the device's memory (always on a CPU),
+  else in two phases, so that the device holds one of them at a time (``'interleaved'`` in each row)."""
   batch = shape.batch
   x, y = make_batch(shape, workload=workload)
   host = [(x, y)] * epoch
+  limit = _memory_limit()
+  together = limit is None or 3 * prefetch_bytes(x, y) <= limit / 10
   rows = {name: {'workload': workload, 'batch': batch, 'trainer': name, 'fits': None, 'error': None,
-                 'epoch_s': {}} for name in TRAINERS}
+                 'epoch_s': {}, 'interleaved': together} for name in TRAINERS}
   trainers: Dict[str, _Trainer] = {}
   for name in ('bp.BPTT', 'AccumBPTT'):
     if name == 'bp.BPTT' and not bptt_fits:
@@ -265,16 +270,19 @@ def measure_batch(workload: str, shape: Shape, epoch: int, rounds: int, budget: 
     trainer = _first_epoch(lambda: _Trainer(name, workload, shape, budget), host, rows[name])
     if trainer is not None:
       trainers[name] = trainer
-  # numpy batches from the host: fit as a user calls it, and the same without sending batches ahead
-  timed = [(name, 'numpy', _timed(trainers[name], host)) for name in ('bp.BPTT', 'AccumBPTT') if name in trainers]
-  if 'AccumBPTT' in trainers:
-    timed.append(('AccumBPTT', 'numpy, no overlap', _timed(trainers['AccumBPTT'], host, overlap=False)))
-  _record(timed, rounds, rows)
   for name, trainer in trainers.items():
     try:
       rows[name].update(trainer.plan())
     except Exception as error:  # noqa: BLE001
       rows[name]['plan_error'] = f'{type(error).__name__}: {" ".join(str(error).split())[:200]}'
+  # numpy batches from the host: fit as a user calls it, and the same without sending batches ahead
+  timed = [('bp.BPTT', WITH_STEP, _timed(trainers['bp.BPTT'], host))] if 'bp.BPTT' in trainers else []
+  if 'AccumBPTT' in trainers:
+    timed += [('AccumBPTT', AHEAD, _timed(trainers['AccumBPTT'], host, overlap=True)),
+              ('AccumBPTT', WITH_STEP, _timed(trainers['AccumBPTT'], host, overlap=False))]
+  if not together:
+    _record(timed, rounds, rows)
+    timed = []
   # the same batches already on the device
   device_x, device_y = jax.block_until_ready(jax.device_put((x, y)))
   on_device = [(device_x, device_y)] * epoch
@@ -284,12 +292,19 @@ def measure_batch(workload: str, shape: Shape, epoch: int, rounds: int, budget: 
   if jax_trainer is not None:
     trainers['plain JAX + optax'] = jax_trainer
     rows['plain JAX + optax'].update(jax_trainer.plan())
-  _record([(name, 'device', _timed(trainer, on_device)) for name, trainer in trainers.items()], rounds, rows)
+  _record(timed + [(name, DEVICE, _timed(trainer, on_device)) for name, trainer in trainers.items()], rounds, rows)
   del device_x, device_y, on_device
   for row in rows.values():
     row['model_flops'] = model_flops(shape, batch)
     row['samples_per_s'] = {kind: epoch * batch / statistics.median(times) for kind, times in row['epoch_s'].items()}
   return list(rows.values())
+
+
+def _memory_limit() -> Optional[int]:
+  """The default device's memory in bytes, where it says (not on a CPU)."""
+  device = jax.devices()[0]
+  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  return (stats or {}).get('bytes_limit')
 
 
 def _record(timed, rounds: int, rows: Dict[str, dict]) -> None:
@@ -352,20 +367,25 @@ def _speed(row: dict, kind: str) -> str:
 
 
 def _ratio(rows: List[dict], mine: tuple, theirs: tuple) -> Optional[float]:
-  """Median of per-round ratios of samples/s, ``mine = (trainer, kind)`` over ``theirs`` (same phase), else
-  the ratio of medians (NumPy against device batches: timed in two phases)."""
+  """Median of per-round ratios of samples/s, ``mine = (trainer, kind)`` over ``theirs``, where they were timed
+  in the same rounds, else the ratio of medians (NumPy against device batches timed in two phases)."""
   a = next((r for r in rows if r['trainer'] == mine[0]), None)
   b = next((r for r in rows if r['trainer'] == theirs[0]), None)
   if not a or not b or mine[1] not in a['epoch_s'] or theirs[1] not in b['epoch_s']:
     return None
-  same_phase = (mine[1] == 'device') == (theirs[1] == 'device')
-  if same_phase:
+  if a['interleaved'] or (mine[1] == DEVICE) == (theirs[1] == DEVICE):  # timed in the same rounds
     return per_round_ratio(b['epoch_s'][theirs[1]], a['epoch_s'][mine[1]])  # time ratio inverted: speed
   return statistics.median(b['epoch_s'][theirs[1]]) / statistics.median(a['epoch_s'][mine[1]])
 
 
+def _fit_gives(facts: dict) -> str:
+  """How AccumBPTT's fit hands NumPy batches to the step by default on the run's device (:func:`sends_ahead`)."""
+  return WITH_STEP if facts['platform'] == 'cpu' else AHEAD
+
+
 def _run_section(facts: dict, run: dict) -> List[str]:
   accelerator = facts['platform'] != 'cpu'
+  fit_gives = _fit_gives(facts)
   shape = Shape(*run['shape'])
   peak = run['peak']
   nominal = _nominal_peak(facts['kind']) if accelerator else None
@@ -373,16 +393,19 @@ def _run_section(facts: dict, run: dict) -> List[str]:
       f"CPU ({facts['host']}): not an accelerator"
   out = [f'## {label}', '']
   if not accelerator:
-    out += ['**CPU figures.** They show that every code path runs (planning, the overlap, plain JAX at the same '
-            'micro-batching) at a small scale; they say nothing of an accelerator\'s speed or memory. On a CPU the '
-            'copy to the "device" is a copy within the host\'s memory, nearly free: the NumPy and device columns '
-            'show that the overlap loses nothing, not what it gains on a chip.', '']
+    out += ['**CPU figures.** They show that every code path runs (planning, sending batches ahead, plain JAX at '
+            'the same micro-batching) at a small scale; they say nothing of an accelerator\'s speed or memory. On a '
+            'CPU the "device" is the host\'s memory: there is no transfer to hide, and a jitted step takes a NumPy '
+            'array more cheaply than a copy made ahead, so on a CPU `fit` hands each batch to its step (the column '
+            '"NumPy, with its step"), and sends batches ahead only on an accelerator.', '']
   out += [f"- Command: `{facts['command']}`; {facts['date']}.",
           f"- Device: {facts['kind']} x {facts['count']} ({facts['platform']}), memory limit "
           f"{_fmt_bytes(facts['memory_limit'])}; host {facts['host']}.",
           '- Versions: ' + ', '.join(f'{k} {v}' for k, v in facts['versions'].items()) + '.',
           f"- Networks: T={shape.time}, {shape.hidden} hidden, {shape.inputs} inputs, {shape.outputs} classes, "
           f"cross-entropy of the last step, Adam; an epoch is {run['epoch']} batches, {run['rounds']} rounds.",
+          f"- What `fit` gives the user here, NumPy batches: AccumBPTT \"{fit_gives}\", bp.BPTT \"{WITH_STEP}\" "
+          f"(its own loop).",
           f"- AccumBPTT: `num_micro_batch='auto'`, " + (f"memory_budget={run['budget']!r} (a CPU has no device "
                                                         f"limit to plan against)" if run['budget'] else
                                                         'no memory_budget (the device\'s own memory)') + '.',
@@ -393,28 +416,28 @@ def _run_section(facts: dict, run: dict) -> List[str]:
   for workload in dict.fromkeys(r['workload'] for r in run['rows']):
     rows = [r for r in run['rows'] if r['workload'] == workload]
     out += [f'### {NAMES.get(workload, workload)}', '',
-            '| batch | trainer | fits | plan | bytes (XLA) | first epoch s | samples/s: NumPy (fit) | NumPy, no '
-            'overlap | on the device | achieved (device data) | of the measured peak |',
+            '| batch | trainer | fits | plan | bytes (XLA) | first epoch s | samples/s: NumPy, sent ahead | NumPy, '
+            'with its step | on the device | achieved (device data) | of the measured peak |',
             '|---|---|---|---|---|---|---|---|---|---|---|']
     for r in rows:
-      speed = r.get('samples_per_s', {}).get('device')
+      speed = r.get('samples_per_s', {}).get(DEVICE)
       achieved = None if speed is None else r['model_flops'] * speed / r['batch']
       best_peak = max(peak.values())
       fits = {True: 'yes', False: '**no**', None: 'error'}[r['fits']]
       note = r['error'] or r.get('run_error') or ''
       out.append(f"| {r['batch']} | {r['trainer']} | {fits} | {r.get('plan', note[:80] or '-')} | "
                  f"{_fmt_bytes(r.get('bytes'))} | {r.get('first_epoch_s', float('nan')):.1f} | "
-                 f"{_speed(r, 'numpy')} | {_speed(r, 'numpy, no overlap')} | {_speed(r, 'device')} | "
+                 f"{_speed(r, AHEAD)} | {_speed(r, WITH_STEP)} | {_speed(r, DEVICE)} | "
                  f"{_fmt_flops(achieved)} | "
                  f"{'-' if achieved is None else f'{achieved / best_peak:.0%}'} |")
-    out += ['', 'Ratios of samples/s (per-round medians within a phase):', '']
+    out += ['', 'Ratios of samples/s:', '']
     for batch in dict.fromkeys(r['batch'] for r in rows):
       at = [r for r in rows if r['batch'] == batch]
-      cells = [('AccumBPTT NumPy / its device batches', _ratio(at, ('AccumBPTT', 'numpy'), ('AccumBPTT', 'device'))),
-               ('overlap / no overlap', _ratio(at, ('AccumBPTT', 'numpy'), ('AccumBPTT', 'numpy, no overlap'))),
-               ('AccumBPTT / bp.BPTT, NumPy', _ratio(at, ('AccumBPTT', 'numpy'), ('bp.BPTT', 'numpy'))),
-               ('AccumBPTT / bp.BPTT, device', _ratio(at, ('AccumBPTT', 'device'), ('bp.BPTT', 'device'))),
-               ('AccumBPTT / plain JAX, device', _ratio(at, ('AccumBPTT', 'device'), ('plain JAX + optax', 'device')))]
+      cells = [('AccumBPTT sent ahead / with its step', _ratio(at, ('AccumBPTT', AHEAD), ('AccumBPTT', WITH_STEP))),
+               ("AccumBPTT fit's NumPy / its device batches", _ratio(at, ('AccumBPTT', fit_gives), ('AccumBPTT', DEVICE))),
+               ("AccumBPTT fit's NumPy / bp.BPTT's NumPy", _ratio(at, ('AccumBPTT', fit_gives), ('bp.BPTT', WITH_STEP))),
+               ('AccumBPTT / bp.BPTT, device', _ratio(at, ('AccumBPTT', DEVICE), ('bp.BPTT', DEVICE))),
+               ('AccumBPTT / plain JAX, device', _ratio(at, ('AccumBPTT', DEVICE), ('plain JAX + optax', DEVICE)))]
       out.append(f'- B={batch}: ' + '; '.join(f'{name} {value:.2f}' for name, value in cells if value is not None))
     errors = [r for r in rows if r['error'] or r.get('run_error') or r.get('plan_error')]
     if errors:
@@ -434,17 +457,20 @@ For each batch size: whether bp.BPTT's step fits, `AccumBPTT(num_micro_batch='au
 JAX + optax at the same micro-batching, the time to the first epoch of each, and samples/s over an epoch
 through `fit`:
 
-- **NumPy (fit)**: NumPy batches from the host, as users pass them. This is what `fit` gives the user: it sends
-  each batch to the device while the step before it runs (at most one batch ahead), so the copy hides behind
-  the step where the step is the longer.
-- **NumPy, no overlap**: the same, with each batch copied when its step is called (the loop before the overlap).
+- **NumPy, sent ahead**: NumPy batches from the host, as users pass them, each sent to the device while the
+  step before it runs (at most one batch ahead), so that the copy hides behind the step where the step is the
+  longer. This is what AccumBPTT's `fit` gives the user on an accelerator.
+- **NumPy, with its step**: the same batches, each copied when its step is called. This is what `fit` gives
+  on a CPU (where there is no transfer to hide), and what bp.BPTT's own loop does everywhere.
 - **on the device**: the same batches made on the device beforehand; no copy, the step's own speed.
 
 FLOP/s count the matmuls: `6 B T (I H + H H + H O)` a train step (forward, and the backward pass at twice the
 forward). XLA's cost analysis (in `accelerator.json`, `xla_flops`) counts each loop body once, whatever its trip
 count, so it is not used. "Bytes" are XLA's compile-time figure of the train step (arguments, outputs,
-temporaries); for AccumBPTT that of its plan. Trainers alternate within a round; ratios within a phase are
-medians of per-round ratios.'''
+temporaries); for AccumBPTT that of its plan. Trainers alternate within a round (order reversed every other
+round); ratios are medians of per-round ratios, except between NumPy and device batches at a batch size where
+three batches take more than a tenth of the device's memory: those are timed in two phases (so that the device
+holds one of them at a time) and their ratio is one of medians.'''
 
 
 def device_report(data: dict) -> str:
@@ -475,7 +501,8 @@ def plot_device(data: dict, path: str) -> None:
     speed_ax, bytes_ax = axes[0][column], axes[1][column]
     for trainer, style in styles.items():
       rows = [r for r in run['rows'] if r['workload'] == workload and r['trainer'] == trainer]
-      for kind, fill in (('numpy', 'full'), ('device', 'none')):
+      numpy = _fit_gives(run['facts']) if trainer == 'AccumBPTT' else WITH_STEP
+      for kind, fill in ((numpy, 'full'), (DEVICE, 'none')):
         points = [(r['batch'], r['samples_per_s'][kind]) for r in rows if kind in r.get('samples_per_s', {})]
         if points:
           speed_ax.plot(*zip(*points), style, fillstyle=fill, label=f'{trainer}, {kind}')
@@ -506,7 +533,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   parser.add_argument('--workloads', nargs='+', default=list(WORKLOADS), choices=list(WORKLOADS))
   parser.add_argument('--batches', nargs='+', type=int, default=None, help='batch sizes (default: by device)')
   parser.add_argument('--epoch', type=int, default=None, help='batches per epoch (default 8 on a device, 4 on a CPU)')
-  parser.add_argument('--rounds', type=int, default=None, help='timed rounds (default 3)')
+  parser.add_argument('--rounds', type=int, default=None, help='timed rounds (default 3; 7 on a CPU, whose load drifts)')
   parser.add_argument('--budget', default=None, help="AccumBPTT's memory_budget (default: none on an accelerator, "
                                                      f"{CPU['budget']} on a CPU)")
   parser.add_argument('--out', default='docs', help='folder for accelerator.json, .md and .png')

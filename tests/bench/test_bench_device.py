@@ -35,7 +35,7 @@ def _rows(folder):
 def _check_trained(rows, workload, batch):
   mine = rows[workload, batch, 'AccumBPTT']
   assert mine['fits'] and mine['bytes'] > 0 and 'batch' in mine['plan'] and mine['first_epoch_s'] > 0
-  assert set(mine['samples_per_s']) == {'numpy', 'numpy, no overlap', 'device'}
+  assert set(mine['samples_per_s']) == {device.AHEAD, device.WITH_STEP, device.DEVICE}
   assert rows[workload, batch, 'plain JAX + optax']['samples_per_s']['device'] > 0
 
 
@@ -77,7 +77,7 @@ def test_quick_device_part_times_bptt_where_it_fits_and_stops_it_where_it_does_n
   _, _, rows = _rows(tmp_path)
   for workload in device.WORKLOADS:
     assert rows[workload, 8, 'bp.BPTT']['fits'] and set(rows[workload, 8, 'bp.BPTT']['samples_per_s']) == {
-      'numpy', 'device'}
+      device.WITH_STEP, device.DEVICE}
     assert rows[workload, 16, 'bp.BPTT']['fits'] is False
     for batch in (8, 16):
       _check_trained(rows, workload, batch)
