@@ -499,23 +499,28 @@ def plot_device(data: dict, path: str) -> None:
   styles = {'bp.BPTT': 'D-', 'AccumBPTT': 'o-', 'plain JAX + optax': '^:'}
   for column, (run, workload) in enumerate(panels):
     speed_ax, bytes_ax = axes[0][column], axes[1][column]
-    for trainer, style in styles.items():
+    for color, (trainer, style) in enumerate(styles.items()):
+      color = f'C{color}'  # one colour a trainer: NumPy batches filled, device batches hollow
       rows = [r for r in run['rows'] if r['workload'] == workload and r['trainer'] == trainer]
       numpy = _fit_gives(run['facts']) if trainer == 'AccumBPTT' else WITH_STEP
       for kind, fill in ((numpy, 'full'), (DEVICE, 'none')):
         points = [(r['batch'], r['samples_per_s'][kind]) for r in rows if kind in r.get('samples_per_s', {})]
         if points:
-          speed_ax.plot(*zip(*points), style, fillstyle=fill, label=f'{trainer}, {kind}')
+          speed_ax.plot(*zip(*points), style, color=color, fillstyle=fill, label=f'{trainer}, {kind}')
       points = [(r['batch'], r['bytes']) for r in rows if r.get('bytes')]
       if points:
-        bytes_ax.plot([b for b, _ in points], [v / 2 ** 20 for _, v in points], style, label=trainer)
+        bytes_ax.plot([b for b, _ in points], [v / 2 ** 20 for _, v in points], style, color=color, label=trainer)
       misses = [r['batch'] for r in rows if r['fits'] is False]
       if misses:
-        speed_ax.plot(misses, [0] * len(misses), 'x', color='red', ms=10, label=f'{trainer}: does not fit')
+        speed_ax.plot(misses, [0] * len(misses), 'x', color=color, ms=10, label=f'{trainer}: does not fit')
     limit = run['facts'].get('memory_limit')
     if limit:
       bytes_ax.axhline(limit / 2 ** 20, color='gray', ls='--', label='device memory')
-    title = f"{run['facts']['kind']} ({run['facts']['platform']}): {NAMES.get(workload, workload)}"
+    elif run.get('budget'):
+      bytes_ax.axhline(parse_memory(run['budget']) / 2 ** 20, color='gray', ls='--',
+                       label=f"AccumBPTT's memory_budget {run['budget']}")
+    device = 'CPU, not an accelerator' if run['facts']['platform'] == 'cpu' else run['facts']['kind']
+    title = f"{device}: {NAMES.get(workload, workload)}"
     speed_ax.set(xscale='log', xlabel='batch size', ylabel='samples/s', title=title)
     bytes_ax.set(xscale='log', yscale='log', xlabel='batch size', ylabel='train step, MiB (XLA)')
     for ax in (speed_ax, bytes_ax):

@@ -222,8 +222,10 @@ class Feed:
   def dispatched(self, outputs) -> None:
     """The step of the batch in hand was dispatched (``outputs``: any of its results): send the batch read
     ahead if it is like the one in hand (same tree, shapes and dtypes: the same check and plan)."""
-    self._ahead.dispatched(outputs)
     following, self._following = self._following, _NOTHING
+    if not self._ahead.enabled:
+      return
+    self._ahead.dispatched(outputs)
     if following is not _NOTHING and _signature(following) is not None \
         and _signature(following) == _signature(self._in_hand):
       self._sent = self._ahead.send(following)
