@@ -95,6 +95,41 @@ def test_overlap_trains_bit_for_bit_as_without(sent, options):
   _same(with_overlap, without)
 
 
+def test_checkpoints_and_resume_with_batches_sent_ahead(sent, tmp_path):
+  """A run stopped after its third batch (the checkpoint of its second update kept) and resumed by a fresh
+  trainer ends as the same run without the overlap, bit for bit (history too)."""
+  batches = make_batches((8,) * 6, seed=16)
+
+  def trainer():
+    return AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), num_micro_batch=2,
+                     progress_bar=False)
+
+  def resumed(overlap, folder):
+    folder.mkdir()
+    path, stopped = str(folder / 'run.ckpt'), []
+
+    def stop_once(idx, metrics, phase):
+      if idx == 3 and not stopped:
+        stopped.append(idx)
+        raise RuntimeError('stopped')
+
+    with overlapping(overlap):
+      with pytest.raises(RuntimeError, match='stopped'):
+        trainer().fit(batches, num_epoch=2, num_report=1, checkpoint=path, checkpoint_every=2,
+                      fun_after_report=stop_once)
+      second = trainer()
+      second.fit(batches, num_epoch=2, num_report=1, checkpoint=path, checkpoint_every=2)
+    return [params_of(second.target), optimizer_state(second), second._detailed_train_metrics,
+            second._report_train_metrics]
+
+  without = resumed(False, tmp_path / 'without')
+  assert not sent
+  with_overlap = resumed(True, tmp_path / 'with')
+  # the 2nd to 4th batches before the stop (the 4th unused), on resuming (at the 3rd) the 4th to 6th, epoch 2
+  assert len(sent) == 3 + 3 + 5
+  assert_trees_close(with_overlap, without, **EXACT)  # (resuming as training straight through: test_resume.py)
+
+
 def test_overlap_with_planned_steps_equals_bptt(sent):
   """``num_micro_batch='auto'`` runs the planner's compiled step on the batches sent ahead: bp.BPTT's update."""
   batches = make_batches((16,) * 4, seed=5)
