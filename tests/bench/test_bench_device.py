@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from brainpy_accum.bench import __main__ as bench_main
-from brainpy_accum.bench import device
+from brainpy_accum.bench import device, device_report
 
 REFUSAL = ('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 17.38G '
            'of 15.75G hbm. Exceeded hbm capacity by 1.63G.')
@@ -35,7 +35,7 @@ def _rows(folder):
 def _check_trained(rows, workload, batch):
   mine = rows[workload, batch, 'AccumBPTT']
   assert mine['fits'] and mine['bytes'] > 0 and 'batch' in mine['plan'] and mine['first_epoch_s'] > 0
-  assert set(mine['samples_per_s']) == {device.AHEAD, device.WITH_STEP, device.DEVICE}
+  assert set(mine['samples_per_s']) == {device_report.AHEAD, device_report.WITH_STEP, device_report.DEVICE}
   assert rows[workload, batch, 'plain JAX + optax']['samples_per_s']['device'] > 0
 
 
@@ -57,7 +57,7 @@ def test_device_part_records_a_refused_step_as_not_fitting_and_writes_its_files(
   chip = copy.deepcopy(run)
   chip['facts'].update(platform='tpu', kind='TPU v5 lite', memory_limit=15.75 * 2 ** 30)
   data['runs']['tpu: TPU v5 lite'] = chip
-  report = device.device_report(data)
+  report = device_report.device_report(data)
   assert 'No accelerator figures yet' not in report
   assert report.index('## TPU v5 lite (TPU)') < report.index('## CPU') and "vendor's dense bf16 figure is 197" in report
 
@@ -77,7 +77,7 @@ def test_quick_device_part_times_bptt_where_it_fits_and_stops_it_where_it_does_n
   _, _, rows = _rows(tmp_path)
   for workload in device.WORKLOADS:
     assert rows[workload, 8, 'bp.BPTT']['fits'] and set(rows[workload, 8, 'bp.BPTT']['samples_per_s']) == {
-      device.WITH_STEP, device.DEVICE}
+      device_report.WITH_STEP, device_report.DEVICE}
     assert rows[workload, 16, 'bp.BPTT']['fits'] is False
     for batch in (8, 16):
       _check_trained(rows, workload, batch)
