@@ -5,7 +5,9 @@ Four parts, each rerunnable alone with ``--parts`` (the others are then kept fro
 rerun, :mod:`.startup`), ``steps`` (step time and memory of every method and plan, the largest batch within
 a budget; ``--column``: only what the column [AccumBPTT(N) / bp.BPTT] / [plain JAX(N) / plain JAX(1)]
 needs), ``planner`` (``remat='auto'`` against every plan timed, :mod:`.planner`) and ``streaming`` (a batch
-several times the budget streamed from the host, :mod:`.streaming`).
+several times the budget streamed from the host, :mod:`.streaming`). A fifth, ``device``, runs only when named
+(``--parts device``): training on a GPU or TPU, batch size by batch size, into ``accelerator.md``, ``.png`` and
+``.json`` (:mod:`.device`; on a CPU small and labelled as such).
 """
 
 import argparse
@@ -20,6 +22,7 @@ import brainstate
 import jax
 
 from ..memory import parse_memory
+from .device import main as device_main
 from .measure import largest_batch_within, measure_all
 from .planner import measure_planner, planner_section, plot_planner
 from .report import markdown_report, plot
@@ -32,7 +35,8 @@ DEFAULT_NOTE = (' (half the batch and time steps of the earlier B=512, T=200: wi
                 'workload, compiled and timed in rounds, that shape took well over 15 minutes on this shared '
                 '2-core CPU)')
 QUICK = Shape(batch=64, time=20, hidden=32, inputs=8)
-PARTS = ('startup', 'steps', 'planner', 'streaming')
+PARTS = ('startup', 'steps', 'planner', 'streaming')  # the default: benchmark.md
+OTHER_PARTS = ('device',)  # run when named: accelerator.md
 
 
 def configs(workload: str, shape: Shape, quick: bool, column: bool = False) -> List[dict]:
@@ -96,13 +100,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   parser.add_argument('--startup-rounds', type=int, default=3, help='rounds of the startup part')
   parser.add_argument('--rounds', type=int, default=None, help='interleaved timing rounds (default 11, --quick 3)')
   parser.add_argument('--budget', default='512MiB', help='memory budget for the largest-batch search (not with --quick)')
-  parser.add_argument('--parts', nargs='+', default=list(PARTS), choices=list(PARTS),
-                      help='parts to run; the others are kept from OUT/benchmark.json')
+  parser.add_argument('--parts', nargs='+', default=list(PARTS), choices=list(PARTS + OTHER_PARTS),
+                      help='parts to run; the others are kept from OUT/benchmark.json (device: on its own, into '
+                           'OUT/accelerator.*)')
   parser.add_argument('--out', default='docs', help='folder for benchmark.md, benchmark.png, benchmark.json')
   args = parser.parse_args(argv)
   args.rounds = args.rounds or (3 if args.quick else 11)
   shape = QUICK if args.quick else DEFAULT
   os.makedirs(args.out, exist_ok=True)
+  if 'device' in args.parts:
+    device_main((['--quick'] if args.quick else []) + ['--out', args.out])
+    args.parts = [part for part in args.parts if part != 'device']
+    if not args.parts:  # benchmark.* stay as they are
+      return
   stored = os.path.join(args.out, 'benchmark.json')
   data = {}
   if set(args.parts) != set(PARTS) and os.path.exists(stored):

@@ -43,13 +43,14 @@ def prepare(config: dict) -> Prepared:
   return Prepared(config, step, memory, time.perf_counter() - start)
 
 
-def time_in_rounds(steps: Sequence[Step], rounds: int) -> List[List[float]]:
-  """Seconds of one step of each of ``steps`` in each of ``rounds`` rounds, after one warm-up step each.
+def time_in_rounds(steps: Sequence[Step], rounds: int, warm_up: bool = True) -> List[List[float]]:
+  """Seconds of one step of each of ``steps`` in each of ``rounds`` rounds, after one warm-up step each
+  (``warm_up=False``: none, the steps have run already).
 
   Round ``r`` runs the steps forwards when ``r`` is even and backwards when it is odd, so that no step
   always follows the same neighbour.
   """
-  for step in steps:
+  for step in steps if warm_up else ():
     step.run()  # the real call compiles (or reuses) the step
   times: List[List[float]] = [[] for _ in steps]
   order = list(range(len(steps)))

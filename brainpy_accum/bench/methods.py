@@ -22,7 +22,7 @@ from ..diagnostics._compiles import count_compilations
 from ..trainer import AccumBPTT
 from .workloads import Shape, jax_loss, jax_params, last_step_only, make_batch, make_brainpy_model
 
-__all__ = ['Step', 'build_step']
+__all__ = ['Step', 'build_step', 'loss_of', 'plain_jax_step']
 
 LEARNING_RATE = 1e-3
 FIT = bp.tools.DotDict(fit=True)
@@ -80,7 +80,9 @@ def _last_step_cross_entropy(predicts, targets):
   return bp.losses.cross_entropy_loss(predicts[:, -1], targets)
 
 
-def _loss(workload: str):
+def loss_of(workload: str):
+  """The workload's loss for ``bp.BPTT`` and ``AccumBPTT``: mean-squared error, or (``'_ce'``) the cross-entropy
+  of the last step's read-out."""
   return _last_step_cross_entropy if last_step_only(workload) else _mse
 
 
@@ -95,7 +97,7 @@ def _recipe_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
 
   def loss(xb, yb):
     outs = bm.for_loop(model.step_run, (jnp.arange(shape.time), jnp.swapaxes(xb, 0, 1)))
-    return _loss(workload)(jnp.swapaxes(outs, 0, 1), yb)
+    return loss_of(workload)(jnp.swapaxes(outs, 0, 1), yb)
 
   def body(acc, batch):
     model.reset(micro)
@@ -120,18 +122,19 @@ def _recipe_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
   return _counted(run, compile_)
 
 
-def _jax_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
-  tx = optax.adam(LEARNING_RATE)
-  state = {'params': jax_params(shape)}
-  state['opt'] = tx.init(state['params'])
-  x, y = _device_batch(shape, workload)
-  micro = shape.batch // num_micro_batch
-  xs = x.reshape((num_micro_batch, micro) + x.shape[1:])
-  ys = y.reshape((num_micro_batch, micro) + y.shape[1:])
+def plain_jax_step(workload: str, num_micro_batch: int, tx=None) -> Callable:
+  """The plain JAX + optax train step ``step(params, opt_state, x, y) -> (params, opt_state, loss)``, jitted:
+  the whole batch ``x, y`` cut inside into ``num_micro_batch`` equal micro-batches (a reshape, no copy), whose
+  gradients a ``lax.scan`` sums (``lax.scan`` over time inside), then one Adam update (``tx``, by default
+  ``optax.adam(LEARNING_RATE)``)."""
+  tx = tx or optax.adam(LEARNING_RATE)
   grad_fn = jax.value_and_grad(lambda p, xb, yb: jax_loss(workload, p, xb, yb))
 
   @jax.jit
-  def step(params, opt_state, xs, ys):
+  def step(params, opt_state, x, y):
+    xs = x.reshape((num_micro_batch, x.shape[0] // num_micro_batch) + x.shape[1:])
+    ys = y.reshape((num_micro_batch, y.shape[0] // num_micro_batch) + y.shape[1:])
+
     def body(acc, batch):
       value, grads = grad_fn(params, *batch)
       return jax.tree_util.tree_map(jnp.add, acc, grads), value
@@ -139,11 +142,21 @@ def _jax_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
     updates, opt_state = tx.update(jax.tree_util.tree_map(lambda g: g / num_micro_batch, acc), opt_state, params)
     return optax.apply_updates(params, updates), opt_state, losses.mean()
 
+  return step
+
+
+def _jax_step(workload: str, shape: Shape, num_micro_batch: int) -> Step:
+  tx = optax.adam(LEARNING_RATE)
+  state = {'params': jax_params(shape)}
+  state['opt'] = tx.init(state['params'])
+  x, y = _device_batch(shape, workload)
+  step = plain_jax_step(workload, num_micro_batch, tx)
+
   def run():
-    state['params'], state['opt'], loss = step(state['params'], state['opt'], xs, ys)
+    state['params'], state['opt'], loss = step(state['params'], state['opt'], x, y)
     jax.block_until_ready((state['params'], loss))
 
-  return _counted(run, lambda: step.lower(state['params'], state['opt'], xs, ys).compile())
+  return _counted(run, lambda: step.lower(state['params'], state['opt'], x, y).compile())
 
 
 def build_step(method: str, workload: str, shape: Shape, num_micro_batch: int = 1, remat: bool = False,
@@ -159,8 +172,8 @@ def build_step(method: str, workload: str, shape: Shape, num_micro_batch: int = 
   model = make_brainpy_model(workload, shape)
   optimizer = bp.optim.Adam(lr=LEARNING_RATE)
   if method == 'bptt':
-    trainer = bp.BPTT(model, _loss(workload), optimizer=optimizer, progress_bar=False)
+    trainer = bp.BPTT(model, loss_of(workload), optimizer=optimizer, progress_bar=False)
   else:
-    trainer = AccumBPTT(model, _loss(workload), optimizer=optimizer, num_micro_batch=num_micro_batch, remat=remat,
+    trainer = AccumBPTT(model, loss_of(workload), optimizer=optimizer, num_micro_batch=num_micro_batch, remat=remat,
                         progress_bar=False)
   return _trainer_step(trainer, shape, abstract_data, workload)

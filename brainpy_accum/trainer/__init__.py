@@ -1,6 +1,7 @@
 """``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation, and what it is made of.
 
 ``_accum_bptt``: the class, a thin trainer that composes the parts below; ``_fit_loop``: the epochs of ``fit``;
+``_feed``: each batch sent to the device while the step before it runs;
 ``_compiled_steps``: the steps it runs, jitted or compiled ahead of time for the planner; ``_step``: one batch's
 step (sums, settled, clipped, guarded; on a mesh: ``_sharded``); ``_window``: accumulation across batches;
 ``_model_loss``: the model's predictions and loss over bp.BPTT's own functions; ``_coupled_loss``: the

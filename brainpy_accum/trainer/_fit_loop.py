@@ -27,8 +27,9 @@ from ..diagnostics._compiles import count_compilations
 from ..memory._oom import run_with_retry
 from ..memory._stream import chunk_sizes, combine, host_chunk
 from ._arguments import check_carried_batch, check_carried_sizes, check_data, check_fit_args
+from ._feed import Ahead, Feed
 from ._report import PhaseLog
-from ._window import steps_for_epoch, with_last_flag
+from ._window import steps_for_epoch
 
 __all__ = ['LoopOptions', 'Run', 'TrainerParts', 'fit', 'run_epoch']
 
@@ -167,8 +168,9 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
   if skip == 0:
     log.start_epoch()
   checking: List[Callable[..., None]] = []  # the first-batch check, started beside the first step
+  feed = Feed(itertools.islice(batches, skip, None), put=trainer.mesh is None)  # (the step places a mesh's shares)
   try:
-    for position, (batch, last) in enumerate(with_last_flag(itertools.islice(batches, skip, None)), start=skip):
+    for position, (batch, last) in enumerate(feed, start=skip):
       inputs, targets = _pair(phase, position, batch)
       layout = parts.check_batch(inputs, targets)  # before anything changes
       if options.reset_state:
@@ -197,6 +199,7 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
         kind = _step_kind(trainer, phase, update)
         with _finishing(early), _closing(parts.window, kind == 'close' and not update):
           loss, aux = _run_step(trainer, parts, phase, kind, options, inputs, targets, layout.batch_size)
+        feed.dispatched(loss)  # the next batch on its way to the device while this step runs
         # the check not started yet is traced now, while the step runs (dispatched), compiled and run beside it
         # and the next; its warnings once the next is dispatched (or at a report, or the pass's end)
         _finish(checking)
@@ -324,11 +327,14 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
   # each chunk's final state, joined after the last: every chunk starts from a slice of the state as fit left
   # it (weakly typed after a reset, as bp.BPTT's step takes it), so every chunk's step is the same program
   finals: Dict[str, list] = {name: [] for name in states}
-  sizes, results, weights, start = chunk_sizes(layout.batch_size, chunk), [], [], 0
+  sizes, results, weights = chunk_sizes(layout.batch_size, chunk), [], []
+  starts = list(itertools.accumulate([0] + sizes[:-1]))
+  chunks = [(host_chunk(inputs, layout.input_axes, start, size), host_chunk(targets, layout.target_axes, start, size))
+            for start, size in zip(starts, sizes)]
+  ahead, sent = Ahead(), None  # the next chunk on its way to the device while this one's step runs
   with declared_batch_axes(states.values()):
-    for i, size in enumerate(sizes):
-      x = host_chunk(inputs, layout.input_axes, start, size)
-      y = host_chunk(targets, layout.target_axes, start, size)
+    for i, (start, size) in enumerate(zip(starts, sizes)):
+      (x, y), fed = chunks[i], sent or chunks[i]
       for name, (var, axis) in states.items():
         var.value = jax.lax.dynamic_slice_in_dim(whole[name], start, size, axis=axis)  # one program for all starts
       parts.plan_chunk(x, y, options.shared_args)  # the shorter last chunk has its own plan
@@ -337,14 +343,16 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       last = update and i == len(sizes) - 1
       kind = _step_kind(trainer, phase, last, streamed=True)
       with _finishing(finish), _closing(parts.window, kind == 'close' and not last):
-        results.append(_run_step(trainer, parts, phase, kind, options, x, y, size))
-      weights.append(size if trainer.loss_weight_fn is None else float(trainer.loss_weight_fn(x, y)))
+        results.append(_run_step(trainer, parts, phase, kind, options, *fed, size))
+      ahead.dispatched(results[-1][0])
+      sent = ahead.send(chunks[i + 1]) if i + 1 < len(chunks) else None
+      # read as numbers with the results, at the end: reading one now would wait for the device
+      weights.append(size if trainer.loss_weight_fn is None else trainer.loss_weight_fn(*fed))
       for name, (var, _) in states.items():
         finals[name].append(bm.as_jax(var.value))
-      start += size
     for name, (var, axis) in states.items():
       var.value = jnp.concatenate(finals[name], axis=axis)
-  return combine(results, weights, trainer.grad_reduction, parts.metric_plan(), sizes)
+  return combine(results, [float(w) for w in weights], trainer.grad_reduction, parts.metric_plan(), sizes)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,83 @@
+"""The benchmark's device part runs (tiny shapes, on the CPU) and reports what it measured; its figures live in
+docs/accelerator.md, not in assertions on speed."""
+
+import copy
+import json
+
+import jax
+import pytest
+
+from brainpy_accum.bench import __main__ as bench_main
+from brainpy_accum.bench import device, device_report
+
+REFUSAL = ('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 17.38G '
+           'of 15.75G hbm. Exceeded hbm capacity by 1.63G.')
+
+
+def _refuse_bptt_above(monkeypatch, batch):
+  """bp.BPTT's step refused by XLA for memory (simulated) at batches above ``batch``."""
+  epoch = device._Trainer.epoch
+
+  def refusing(self, batches, quiet=False):
+    if self.name == 'bp.BPTT' and self.batch > batch:
+      raise jax.errors.JaxRuntimeError(REFUSAL)
+    return epoch(self, batches, quiet)
+
+  monkeypatch.setattr(device._Trainer, 'epoch', refusing)
+
+
+def _rows(folder):
+  data = json.loads((folder / 'accelerator.json').read_text())
+  run, = data['runs'].values()
+  return data, run, {(r['workload'], r['batch'], r['trainer']): r for r in run['rows']}
+
+
+def _check_trained(rows, workload, batch):
+  mine = rows[workload, batch, 'AccumBPTT']
+  assert mine['fits'] and mine['bytes'] > 0 and 'batch' in mine['plan'] and mine['first_epoch_s'] > 0
+  assert set(mine['samples_per_s']) == {device_report.AHEAD, device_report.WITH_STEP, device_report.DEVICE}
+  assert rows[workload, batch, 'plain JAX + optax']['samples_per_s']['device'] > 0
+
+
+def test_device_part_records_a_refused_step_as_not_fitting_and_writes_its_files(tmp_path, monkeypatch):
+  """bp.BPTT refused for memory (XLA's compile-time refusal, simulated): "does not fit" in the table, and the
+  run goes on; AccumBPTT is timed on NumPy and device batches, plain JAX on device batches."""
+  _refuse_bptt_above(monkeypatch, 0)
+  device.main(['--quick', '--workloads', 'rnn_ce', '--batches', '8', '--out', str(tmp_path)])
+  data, run, rows = _rows(tmp_path)
+  assert run['facts']['platform'] == 'cpu' and run['budget'] == device.QUICK['budget']
+  refused = rows['rnn_ce', 8, 'bp.BPTT']
+  assert refused['fits'] is False and 'Ran out of memory' in refused['error'] and not refused['samples_per_s']
+  _check_trained(rows, 'rnn_ce', 8)
+  report = (tmp_path / 'accelerator.md').read_text()
+  assert 'No accelerator figures yet' in report and 'CPU figures' in report and '| 8 | bp.BPTT | **no** |' in report
+  assert (tmp_path / 'accelerator.png').stat().st_size > 0
+
+  # a chip's run joins the CPU's: reported first, and the note on missing figures goes
+  chip = copy.deepcopy(run)
+  chip['facts'].update(platform='tpu', kind='TPU v5 lite', memory_limit=15.75 * 2 ** 30)
+  data['runs']['tpu: TPU v5 lite'] = chip
+  report = device_report.device_report(data)
+  assert 'No accelerator figures yet' not in report
+  assert report.index('## TPU v5 lite (TPU)') < report.index('## CPU') and "vendor's dense bf16 figure is 197" in report
+
+
+def test_the_benchmark_runs_the_device_part_only_when_named(tmp_path, monkeypatch):
+  called = []
+  monkeypatch.setattr(bench_main, 'device_main', called.append)
+  bench_main.main(['--quick', '--parts', 'device', '--out', str(tmp_path)])
+  assert called == [['--quick', '--out', str(tmp_path)]] and not (tmp_path / 'benchmark.md').exists()
+  assert 'device' not in bench_main.PARTS  # not in the default run
+
+
+@pytest.mark.long  # the long suite (--long): both networks, two batch sizes
+def test_quick_device_part_times_bptt_where_it_fits_and_stops_it_where_it_does_not(tmp_path, monkeypatch):
+  _refuse_bptt_above(monkeypatch, 8)
+  device.main(['--quick', '--out', str(tmp_path)])
+  _, _, rows = _rows(tmp_path)
+  for workload in device.WORKLOADS:
+    assert rows[workload, 8, 'bp.BPTT']['fits'] and set(rows[workload, 8, 'bp.BPTT']['samples_per_s']) == {
+      device_report.WITH_STEP, device_report.DEVICE}
+    assert rows[workload, 16, 'bp.BPTT']['fits'] is False
+    for batch in (8, 16):
+      _check_trained(rows, workload, batch)

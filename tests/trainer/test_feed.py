@@ -1,0 +1,365 @@
+"""Each batch sent to the device while the step before it runs (:mod:`brainpy_accum.trainer._feed`).
+
+The reference is the loop without the overlap (``overlapping(False)``: every batch handed to its step from the
+host, as before) and ``bp.BPTT``: with the overlap every result is the same, bit for bit, and the data source is
+read no further ahead than before. ``fit`` sends batches ahead by default on an accelerator only: these tests,
+on a CPU, turn it on.
+"""
+
+import re
+import weakref
+
+import brainpy as bp
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from brainpy_accum import AccumBPTT
+from brainpy_accum.trainer import _feed, _fit_loop
+from brainpy_accum.trainer._feed import Feed, on_device, overlapping, prefetch_bytes, sends_ahead
+from helpers import assert_trees_close, make_batches, make_model, mse_with_aux, optimizer_state, params_of
+
+EXACT = dict(rtol=0, atol=0)
+
+
+@pytest.fixture(autouse=True)
+def sending_ahead():
+  """The overlap on, also on this CPU (where fit leaves it off by default); ``overlapping(False)`` inside a
+  test turns it off for the comparison."""
+  with overlapping(True):
+    yield
+
+
+def test_batches_go_ahead_by_default_on_an_accelerator_only(monkeypatch):
+  with overlapping(None):
+    assert jax.default_backend() != 'cpu' or not sends_ahead()
+    monkeypatch.setattr(_feed.jax, 'default_backend', lambda: 'tpu')
+    assert sends_ahead()
+
+
+@pytest.fixture
+def sent(monkeypatch):
+  """Every batch (or chunk) that fit sends ahead, as the source gave it."""
+  batches = []
+
+  def counting(data):
+    copy = on_device(data)
+    if copy is not None:
+      batches.append(data)
+    return copy
+
+  monkeypatch.setattr(_feed, 'on_device', counting)
+  return batches
+
+
+def _fit(overlap: bool, data, test_data=None, num_epoch=2, num_report=-1, loss='mean_squared_error', **options):
+  """Train with or without the overlap; everything fit leaves behind, the report lines without their times."""
+  calls = []
+  trainer = AccumBPTT(make_model('rnn'), loss, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False, **options)
+  with overlapping(overlap):
+    trainer.fit(data, test_data=test_data, num_epoch=num_epoch, num_report=num_report,
+                fun_after_report=lambda idx, metrics, phase: calls.append((idx, phase, metrics)))
+  history = [trainer._report_train_metrics, trainer._detailed_train_metrics, trainer._report_test_metrics,
+             trainer._detailed_test_metrics]
+  return {'params': params_of(trainer.target), 'optimizer': optimizer_state(trainer), 'history': history,
+          'reports': calls, 'state': [np.asarray(v) for v in trainer.target.vars().unique().values()],
+          'counters': (dict(trainer.compilations), dict(trainer.trace_counts), int(trainer.skipped_steps.value))}
+
+
+def _same(with_overlap: dict, without: dict) -> None:
+  assert with_overlap['counters'] == without['counters']  # no step compiled or traced again for a device batch
+  assert [r[:2] for r in with_overlap['reports']] == [r[:2] for r in without['reports']]
+  with_overlap['reports'], without['reports'] = [r[2] for r in with_overlap['reports']], [r[2] for r in without['reports']]
+  for key in ('params', 'optimizer', 'history', 'reports', 'state'):
+    assert_trees_close(with_overlap[key], without[key], **EXACT)
+
+
+@pytest.mark.parametrize('options', [
+  dict(num_micro_batch=2, loss=mse_with_aux, loss_has_aux=True, num_report=2),
+  pytest.param(dict(num_micro_batch=2, accumulate_steps=2, skip_nonfinite=True, clip_grad_norm=0.1, num_report=3),
+               marks=pytest.mark.long),  # the same feed as any batch's: the long suite (--long)
+], ids=['metrics-reports', 'accumulate_steps'])
+def test_overlap_trains_bit_for_bit_as_without(sent, options):
+  """A batch like the one before goes ahead (not the first of a pass, nor one unlike the one before: the float64
+  batch after a float32 one, the shorter last one); float64 data reaches the step as the float32 copy that the
+  step would have made of it."""
+  batches = make_batches((8, 8, 8, 8, 5), seed=3)
+  batches[2:4] = [tuple(a.astype(np.float64) for a in batch) for batch in batches[2:4]]
+  tests = make_batches((6, 6, 6), seed=4)
+  without = _fit(False, batches, tests, **options)
+  assert not sent
+  with_overlap = _fit(True, batches, tests, **options)
+  assert len(sent) == 2 * (2 + 2)  # per epoch: the 2nd and 4th training batches, the 2nd and 3rd test batches
+  assert [x.dtype for x, _ in sent[:2]] == [np.float32, np.float64]
+  _same(with_overlap, without)
+
+
+def test_checkpoints_and_resume_with_batches_sent_ahead(sent, tmp_path):
+  """A run stopped after its third batch (the checkpoint of its second update kept) and resumed by a fresh
+  trainer ends as the same run without the overlap, bit for bit (history too)."""
+  batches = make_batches((8,) * 6, seed=16)
+
+  def trainer():
+    return AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), num_micro_batch=2,
+                     progress_bar=False)
+
+  def resumed(overlap, folder):
+    folder.mkdir()
+    path, stopped = str(folder / 'run.ckpt'), []
+
+    def stop_once(idx, metrics, phase):
+      if idx == 3 and not stopped:
+        stopped.append(idx)
+        raise RuntimeError('stopped')
+
+    with overlapping(overlap):
+      with pytest.raises(RuntimeError, match='stopped'):
+        trainer().fit(batches, num_epoch=2, num_report=1, checkpoint=path, checkpoint_every=2,
+                      fun_after_report=stop_once)
+      second = trainer()
+      second.fit(batches, num_epoch=2, num_report=1, checkpoint=path, checkpoint_every=2)
+    return [params_of(second.target), optimizer_state(second), second._detailed_train_metrics,
+            second._report_train_metrics]
+
+  without = resumed(False, tmp_path / 'without')
+  assert not sent
+  with_overlap = resumed(True, tmp_path / 'with')
+  # the 2nd to 4th batches before the stop (the 4th unused), on resuming (at the 3rd) the 4th to 6th, epoch 2
+  assert len(sent) == 3 + 3 + 5
+  assert_trees_close(with_overlap, without, **EXACT)  # (resuming as training straight through: test_resume.py)
+
+
+def test_overlap_with_planned_steps_equals_bptt(sent):
+  """``num_micro_batch='auto'`` runs the planner's compiled step on the batches sent ahead: bp.BPTT's update."""
+  batches = make_batches((16,) * 4, seed=5)
+  trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05),
+                      progress_bar=False, num_micro_batch='auto', memory_budget='7KiB')
+  trainer.fit(batches, num_epoch=2)
+  assert trainer.plan_for(16).num_micro_batches > 1 and len(sent) == 2 * 3 and trainer.compilations['fit'] == 1
+  expected = bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
+  expected.fit(batches, num_epoch=2)
+  assert_trees_close(params_of(trainer.target), params_of(expected.target))
+  np.testing.assert_allclose(trainer.train_losses, expected.train_losses, rtol=1e-5)
+
+
+def test_whole_batches_sent_ahead_train_bit_for_bit_as_bptt(sent):
+  """Without micro-batch options the step is bp.BPTT's computation: the same numbers, with batches sent ahead."""
+  batches = make_batches((8,) * 4, seed=6)
+  expected = bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
+  expected.fit(batches, num_epoch=2)
+  trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
+  trainer.fit(batches, num_epoch=2)
+  assert len(sent) == 2 * 3
+  assert_trees_close(params_of(trainer.target), params_of(expected.target), **EXACT)
+  assert_trees_close(trainer.train_losses, expected.train_losses, **EXACT)
+
+
+def test_a_failing_batch_fails_with_the_same_error_before_anything_changes():
+  """A batch unlike the one before (here: its targets hold other samples) is not sent ahead: its check raises
+  at its turn, with the error it raised before, and the trainer stands where it stood after the batch before."""
+  batches = make_batches((8, 8, 8), seed=7)
+  bad = (make_batches((8,), seed=8)[0][0], make_batches((6,), seed=8)[0][1])
+  results, errors = [], []
+  for overlap in (False, True):
+    trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05),
+                        num_micro_batch=2, progress_bar=False)
+    with overlapping(overlap), pytest.raises(ValueError) as error:
+      trainer.fit(batches + [bad] + batches, num_epoch=1)
+    errors.append(str(error.value))
+    results.append([params_of(trainer.target), optimizer_state(trainer), trainer._detailed_train_metrics])
+  assert errors[0] == errors[1] and 'targets has shape (6, 5, 2)' in errors[0]
+  assert_trees_close(results[1], results[0], **EXACT)
+  expected = bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
+  expected.fit(batches, num_epoch=1)
+  assert_trees_close(results[1][0], params_of(expected.target))
+
+
+def test_a_batch_that_cannot_be_sent_waits_for_its_step(monkeypatch):
+  """A copy that fails (here: out of device memory) leaves the batch on the host, to its step as before."""
+  def exhausted(*args, **kwargs):
+    raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.')
+
+  batches = make_batches((8,) * 3, seed=9)
+  without = _fit(False, batches, num_micro_batch=2)
+  monkeypatch.setattr(_feed.jax, 'device_put', exhausted)
+  _same(_fit(True, batches, num_micro_batch=2), without)
+
+
+def test_data_already_on_the_device_is_not_copied(sent, monkeypatch):
+  """Device arrays reach the step as they are: the same objects, nothing sent."""
+  batches = [tuple(jnp.asarray(a) for a in batch) for batch in make_batches((8,) * 3, seed=10)]
+  stepped = []
+  real = _fit_loop._call_step
+  monkeypatch.setattr(_fit_loop, '_call_step', lambda step, shared, x, y: stepped.append((x, y)) or real(step, shared, x, y))
+  _fit(True, batches, num_epoch=1, num_micro_batch=2)
+  assert not sent and all(x is bx and y is by for (x, y), (bx, by) in zip(stepped, batches))
+
+
+def test_a_generator_is_read_at_most_one_batch_ahead(sent):
+  """When batch k's step has run (its report), the source has given batch k + 1 and no more, as before; and
+  the batches sent ahead are those the source gave."""
+  read = []
+
+  def source():
+    for i, batch in enumerate(make_batches((8,) * 5, seed=11)):
+      read.append(i)
+      yield batch
+
+  seen = []
+  trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', num_micro_batch=2, progress_bar=False)
+  trainer.fit(source, num_epoch=1, num_report=1, fun_after_report=lambda idx, m, phase: seen.append((idx, len(read))))
+  assert seen == [(1, 2), (2, 3), (3, 4), (4, 5), (5, 5)]
+  assert len(sent) == 4
+
+
+def test_at_most_one_batch_is_on_its_way_beside_the_running_step(monkeypatch):
+  """When a batch is sent, the step before the running one is done (its batch freed on the device) and no
+  earlier copy is still held: the device holds the running step's batch and the one sent, no more."""
+  held, steps, done = [], [], []
+  real_send, real_call = _feed.on_device, _fit_loop._call_step
+
+  def send(data):
+    done.append(all(leaf.is_ready() for out in steps[:-1] for leaf in jax.tree_util.tree_leaves(out)))
+    alive = [ref for ref in held if ref() is not None]
+    copy = real_send(data)
+    held[:] = alive + [weakref.ref(copy[0])]
+    done[-1] = done[-1] and len(alive) <= 1  # the batch in hand (its step running), none before it
+    return copy
+
+  def call(step, shared, x, y):
+    result = real_call(step, shared, x, y)
+    steps.append(result[0])
+    return result
+
+  monkeypatch.setattr(_feed, 'on_device', send)
+  monkeypatch.setattr(_fit_loop, '_call_step', call)
+  _fit(True, make_batches((8,) * 6, seed=12), num_epoch=1, num_micro_batch=2)
+  assert done == [True] * 5
+
+
+def test_sending_waits_for_the_step_before_the_running_one_only():
+  """``Ahead.send`` after step k's dispatch waits for step k - 1 (its data then leaves the device), never for
+  step k: the device always has the step k queued while the next data is copied."""
+  class Step:
+    def __init__(self, name):
+      self.name = name
+
+    def block_until_ready(self):
+      waited.append(self.name)
+      return self
+
+  waited, ahead = [], _feed.Ahead()
+  for k in range(4):
+    ahead.dispatched(Step(k))
+    ahead.send((np.ones((2, 1)), np.ones(2)))
+  assert waited == [0, 1, 2]
+  with overlapping(False):
+    quiet = _feed.Ahead()
+  quiet.dispatched(Step('a')), quiet.dispatched(Step('b'))
+  assert quiet.send((np.ones((2, 1)), np.ones(2))) is None and waited == [0, 1, 2]
+
+
+def test_the_loop_waits_for_no_step_between_reports(monkeypatch):
+  """Between reports the loop never waits for the step it has just dispatched: when step k + 1 is dispatched,
+  step k is still running (a step long enough, 6 batches: if the loop waited on each step, every one would be
+  done by then)."""
+  pending, ready = [], []
+  real = _fit_loop._call_step
+
+  def call(step, shared, x, y):
+    if pending:
+      ready.append(all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(pending[-1])))
+    result = real(step, shared, x, y)
+    pending.append(result)
+    return result
+
+  batches = make_batches((64,) * 6, num_time=100, seed=13)
+  trainer = AccumBPTT(make_model('rnn', n_hidden=128), 'mean_squared_error', num_micro_batch=2, progress_bar=False)
+  trainer.fit(batches[:2], num_epoch=1)  # compiled
+  monkeypatch.setattr(_fit_loop, '_call_step', call)
+  trainer.fit(batches, num_epoch=1)
+  assert len(ready) == 5 and not all(ready)
+
+
+def test_feed_keeps_the_last_flag_and_the_error_of_a_failing_source():
+  """The batches read before a source fails are all yielded (the last one as not last), then the error."""
+  def failing():
+    yield np.ones((2, 1)), np.ones(2)
+    yield np.ones((2, 1)), np.ones(2)
+    raise OSError('disk gone')
+
+  feed, flags = Feed(failing()), []
+  with pytest.raises(OSError, match='disk gone'):
+    for _, last in feed:
+      feed.dispatched(jnp.zeros(()))
+      flags.append(last)
+  assert flags == [False, False]
+  assert [last for _, last in Feed([(np.ones((2, 1)), np.ones(2))])] == [True]
+
+
+def test_a_source_may_reuse_the_arrays_of_the_batch_two_back(monkeypatch):
+  """A source may refill a batch's host arrays when it makes the batch two after it (the loop has called that
+  batch's step by then): its copy to the device is complete before the source is read on."""
+  class Copy(tuple):
+    def block_until_ready(self):
+      events.append(('copied', int(self[0][0])))
+      return self
+
+  events = []
+  monkeypatch.setattr(_feed, 'on_device', lambda batch: Copy(batch))
+
+  def source():
+    for i in range(5):
+      events.append(('read', i))
+      yield np.full(1, i), np.zeros(1)
+
+  feed = Feed(source())
+  for batch, last in feed:
+    feed.dispatched(jnp.zeros(()))
+  reads = {i: events.index(('read', i)) for i in range(5)}
+  for i in (1, 2):  # the batches sent ahead and handed on before the source made batch i + 2
+    assert reads[i + 1] < events.index(('copied', i)) < reads[i + 2]
+
+
+def test_prefetch_bytes_counts_the_copies_on_the_device():
+  x, y = np.ones((8, 5, 3), np.float32), np.zeros((8,), np.int64)
+  assert prefetch_bytes(x, y) == 8 * 5 * 3 * 4 + 8 * np.dtype(jax.dtypes.canonicalize_dtype(np.int64)).itemsize
+  assert prefetch_bytes(jnp.asarray(x), y) == 8 * np.dtype(jax.dtypes.canonicalize_dtype(np.int64)).itemsize
+  assert prefetch_bytes({'a': x, 'b': x}, y) == 2 * x.nbytes + prefetch_bytes(np.zeros(0), y)
+
+
+def test_report_lines_name_the_same_plans(capsys):
+  """What fit prints is what it printed without the overlap (times aside)."""
+  lines = []
+  for overlap in (False, True):
+    _fit(overlap, make_batches((8,) * 3, seed=14), num_micro_batch=2, num_report=1)
+    lines.append(re.sub(r'use [0-9.]+ s', 'use - s', capsys.readouterr().out))
+  assert lines[0] == lines[1] and lines[0].count('Train') == 6
+
+
+@pytest.mark.long  # the long suite (--long): the planner's search of the chunks, twice
+def test_streamed_chunks_go_ahead_one_by_one_bit_for_bit(sent, tmp_path):
+  """A batch larger than the budget, streamed in chunks: each chunk is sent while the one before it runs (the
+  batch after a streamed one is not sent: it would not fit beside it); results as without the overlap, also
+  with ``loss_weight_fn`` (its values read when the batch is combined, not in between). The second run reads the
+  first's plans from the plan cache (its steps compiled again)."""
+  batches = make_batches((24, 24), num_time=20, n_in=64, seed=15)
+  budget = max(x.nbytes + y.nbytes for x, y in batches) // 3
+  results = []
+  for overlap in (False, True):
+    trainer = AccumBPTT(make_model('snn', n_in=64), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.01),
+                        num_micro_batch='auto', memory_budget=budget, progress_bar=False, cache=tmp_path,
+                        loss_weight_fn=lambda x, y: jnp.asarray(x.shape[0], jnp.float32))
+    with overlapping(overlap):
+      trainer.fit(batches, num_epoch=1)
+    results.append([params_of(trainer.target), optimizer_state(trainer), trainer.train_losses,
+                    np.asarray(trainer.target.lif.V.value)])
+  chunks = -(-24 // trainer.stream_chunks[24])
+  assert chunks > 1 and len(sent) == 2 * (chunks - 1) and all(len(x) == trainer.stream_chunks[24] for x, _ in sent)
+  assert_trees_close(results[1], results[0], **EXACT)
+  expected = bp.BPTT(make_model('snn', n_in=64), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.01),
+                     progress_bar=False)
+  expected.fit(batches, num_epoch=1)
+  assert_trees_close(results[1][0], params_of(expected.target))
+  assert_trees_close(results[1][2], expected.train_losses)
