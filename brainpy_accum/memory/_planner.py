@@ -75,12 +75,15 @@ class PlannedModel(NamedTuple):
   included (planning puts them back as they were); ``reset(batch_size)``: the model's state at that size;
   ``batched(batch_size)``: its states that hold the batch, ``{name: (Variable, axis)}``;
   ``fixed_bytes(inputs, targets)``: a lower bound of the step's memory that does not shrink with the
-  micro-batch (its arguments and the outputs every update writes), known without compiling."""
+  micro-batch (its arguments and the outputs every update writes), known without compiling;
+  ``ahead_bytes(inputs, targets)``: what the device holds beside the step of this batch (or chunk): the next
+  one, sent while it runs (0 where nothing is sent ahead)."""
   check_batch: Callable[[Any, Any], Any]
   variables: Callable[[], list]
   reset: Callable[[int], None]
   batched: Callable[[int], dict]
   fixed_bytes: Callable[[Any, Any], int]
+  ahead_bytes: Callable[[Any, Any], int] = lambda inputs, targets: 0
 
 
 class _Request(NamedTuple):
@@ -160,9 +163,13 @@ class Planner:
                remat: Union[bool, int, str] = False, devices: int = 1, mesh_axis: Optional[str] = None,
                streams: bool = False, whole_batch_loss: bool = False, cache: Optional[PlanCache] = None,
                key_of: Optional[Callable[..., dict]] = None):
-    self.model, self.num_micro_batch, self.micro_batch_size = model, num_micro_batch, micro_batch_size
-    self.compilers = compilers._replace(step_bytes=self._measured(compilers.step_bytes, trial=False),
-                                        trial=self._measured(compilers.trial, trial=True))
+    self.num_micro_batch, self.micro_batch_size = num_micro_batch, micro_batch_size
+    # what the device holds beside a step (the next batch, sent ahead) counts in its memory: in every figure
+    self.model = model._replace(fixed_bytes=_with_ahead(model.fixed_bytes, model.ahead_bytes, at=0))
+    self.compilers = compilers._replace(
+      step_bytes=self._measured(_with_ahead(compilers.step_bytes, model.ahead_bytes, at=2), trial=False),
+      trial=self._measured(_with_ahead(compilers.trial, model.ahead_bytes, at=2), trial=True),
+      bytes_at_least=_with_ahead(compilers.bytes_at_least, model.ahead_bytes, at=2))
     self.budget_of, self.remat, self.devices, self.mesh_axis = budget, remat, devices, mesh_axis
     self.streams, self.whole_batch_loss, self.cache, self.key_of = streams, whole_batch_loss, cache, key_of
     self.memory_plans: Dict[int, Tuple[MicroBatchPlan, int]] = {}  # batch (or chunk) size -> (plan, bytes)
@@ -597,6 +604,24 @@ def _cached_plan(entry: dict, share: int) -> Optional[MicroBatchPlan]:
           and isinstance(largest, int) and 1 <= largest <= share):
     return None
   return plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+
+
+def _with_ahead(measure: Callable, ahead_bytes: Callable[[Any, Any], int], at: int) -> Callable:
+  """``measure`` (giving bytes, a :class:`StepMemory` or a :class:`PlannedStep`) with the ``ahead_bytes`` of its
+  batch added to fixed bytes and total alike; the batch's ``inputs, targets`` are its arguments ``at`` and
+  ``at + 1``."""
+
+  def measured(*args):
+    extra, value = ahead_bytes(args[at], args[at + 1]), measure(*args)
+    if not extra:
+      return value
+    if isinstance(value, PlannedStep):
+      return value._replace(memory=StepMemory(value.memory.total + extra, value.memory.fixed + extra))
+    if isinstance(value, StepMemory):
+      return StepMemory(value.total + extra, value.fixed + extra)
+    return value + extra
+
+  return measured
 
 
 def _refused(memory: StepMemory) -> PlannedStep:

@@ -35,6 +35,7 @@ from ..memory._planner import PlannedModel, Planner
 from ._arguments import check_trainer_args, warn_batch_statistics
 from ._compiled_steps import CompiledSteps, StepOptions, StepParts, fit_args
 from ._coupled_loss import CheckParts, FirstBatchCheck
+from ._feed import prefetch_bytes, sends_ahead
 from ._fit_loop import TrainerParts
 from ._fit_loop import fit as run_fit
 from ._model_loss import BPTTFunctions, ModelLoss
@@ -295,7 +296,7 @@ class AccumBPTT(bp.BPTT):
       weighted=self.loss_weight_fn is not None, done=self.whole_batch_loss)
     self.planner = Planner(
       PlannedModel(self._check_batch, self._variables, self.target.reset,
-                   functools.partial(batched_variables, self.target), self._fixed_bytes),
+                   functools.partial(batched_variables, self.target), self._fixed_bytes, self._ahead_bytes),
       self._steps.compilers(self._check.wait), num_micro_batch=self.num_micro_batch,
       micro_batch_size=self.micro_batch_size, budget=budget, remat=self.remat, devices=devices,
       mesh_axis=None if self.mesh is None else self.mesh_axis, streams=streams,
@@ -646,6 +647,10 @@ class AccumBPTT(bp.BPTT):
   def _fixed_bytes(self, inputs, targets) -> int:
     return fixed_bytes_at_least(self._variables(), list(self.target.train_vars().unique().values()),
                                 self.optimizer.vars().unique().values(), inputs, targets)
+
+  def _ahead_bytes(self, inputs, targets) -> int:
+    """Device bytes of the next batch, sent while a step of this one runs (:mod:`~brainpy_accum.trainer._feed`)."""
+    return prefetch_bytes(inputs, targets) if self.mesh is None and sends_ahead() else 0
 
   def _known_plan(self, batch_size: int) -> Optional[MicroBatchPlan]:
     return self.planner.known_plan(batch_size)

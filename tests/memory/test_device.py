@@ -13,6 +13,7 @@ import pytest
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.memory._device import DEVICE_MARGIN, Budget
 from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
+from brainpy_accum.trainer._feed import overlapping, prefetch_bytes
 from simulated_device import simulated_device
 from test_stream import _batches as stream_batches, _budget as stream_budget, _model as stream_model
 
@@ -166,3 +167,20 @@ def test_a_batch_larger_than_the_device_is_streamed_in_chunks_it_holds(monkeypat
   reference.fit(batches, num_epoch=2)
   assert_trees_close(params_of(trainer.target), params_of(reference.target))
   np.testing.assert_allclose(trainer.train_losses, reference.train_losses, rtol=1e-5)
+
+
+def test_the_batch_sent_ahead_counts_in_the_plan(sizes):
+  """Where fit sends the next batch to the device while a step runs (on an accelerator; here forced), the plan
+  leaves room for it: a budget that holds the halves' step but not it and the batch sent ahead cuts finer."""
+  x, y = _batches()[0]
+  ahead = prefetch_bytes(x, y)
+  budget = sizes['half'] + ahead // 2
+  assert ahead > 0 and sizes['half'] <= budget < sizes['half'] + ahead < sizes['whole']
+  plans = {}
+  for overlap in (False, True):
+    with overlapping(overlap):
+      trainer = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
+      trainer.target.reset(SIZE)
+      plans[overlap] = trainer.plan_memory(x, y), trainer.memory_plans[SIZE][1]
+  assert plans[False][0].num_micro_batches == 2 and plans[True][0].num_micro_batches > 2
+  assert plans[True][1] <= budget and plans[False][1] == sizes['half']
