@@ -90,7 +90,7 @@ def header(args, shape: Shape, seconds: float, load_before: str) -> str:
           f'temporaries).')
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench', description=__doc__.split('\n')[0])
   parser.add_argument('--quick', action='store_true', help=f'small workload {tuple(QUICK)} instead of {tuple(DEFAULT)}')
   parser.add_argument('--workloads', nargs='+', default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -104,7 +104,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                       help='parts to run; the others are kept from OUT/benchmark.json (device: on its own, into '
                            'OUT/accelerator.*)')
   parser.add_argument('--out', default='docs', help='folder for benchmark.md, benchmark.png, benchmark.json')
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+  args = _parser().parse_args(argv)
   args.rounds = args.rounds or (3 if args.quick else 11)
   shape = QUICK if args.quick else DEFAULT
   os.makedirs(args.out, exist_ok=True)

@@ -27,7 +27,7 @@ epoch is the same batch ``E`` times (distinct batches would take ``E`` times the
 than the chip's at 16,384); each is copied to the device anew.
 
 Writes ``accelerator.json`` (the runs of every device measured so far, by device) and, with
-:mod:`.device_report`, ``accelerator.md`` and ``accelerator.png`` (samples/s and bytes against the batch size)
+:mod:`.report`, ``accelerator.md`` and ``accelerator.png`` (samples/s and bytes against the batch size)
 into ``--out``.
 """
 
@@ -52,9 +52,9 @@ import optax
 from ..memory import compiled_step_bytes, parse_memory
 from ..trainer import AccumBPTT
 from ..trainer._feed import overlapping, prefetch_bytes
-from .device_report import AHEAD, DEVICE, WITH_STEP, device_report, plot_device
+from .report import AHEAD, DEVICE, WITH_STEP, device_report, plot_device
 from .measure import time_in_rounds
-from .methods import FIT, LEARNING_RATE, Step, loss_of, plain_jax_step
+from .measure import FIT, LEARNING_RATE, Step, loss_of, plain_jax_step
 from .workloads import Shape, jax_params, make_batch, make_brainpy_model
 
 __all__ = ['ACCELERATOR', 'CPU', 'QUICK', 'measure_device', 'measure_batch', 'measure_peak', 'model_flops',

@@ -17,7 +17,7 @@ import brainpy as bp
 from ..core import describe_remat, plan_micro_batches
 from ..memory import compiled_step_bytes, format_memory, time_steps
 from ..trainer import AccumBPTT
-from .methods import FIT, LEARNING_RATE
+from .measure import FIT, LEARNING_RATE
 from .workloads import Shape, make_batch, make_brainpy_model
 
 __all__ = ['measure_planner', 'planner_section', 'plot_planner']

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..memory import compiled_step_bytes
 from ..trainer import AccumBPTT
-from .methods import FIT, LEARNING_RATE
+from .measure import FIT, LEARNING_RATE
 from .workloads import Shape, make_batch, make_brainpy_model
 
 __all__ = ['main', 'rate_regularised_mse', 'batch_max_mse', 'CONFIGS', 'WORKLOADS']

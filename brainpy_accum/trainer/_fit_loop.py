@@ -173,52 +173,18 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
     for position, (batch, last) in enumerate(feed, start=skip):
       inputs, targets = _pair(phase, position, batch)
       layout = parts.check_batch(inputs, targets)  # before anything changes
-      if options.reset_state:
-        trainer.target.reset(layout.batch_size)
-        trainer.reset_state()
-      else:  # the model state this batch continues holds as many samples
-        check_carried_batch(trainer.target, layout.batch_size, f'{"train" if phase == "fit" else "test"}_data', position)
-      parts.place_on_mesh(layout.batch_size)  # the same placement every step: one compilation per batch shape
-      # the first-batch check (once per trainer, changes nothing): ``start`` it later, or ``early`` it started
-      early = start = None
-      if trainer.num_micro_batch == 'auto':
-        start = parts.check_loss_once(options.shared_args, inputs, targets, True) if phase == 'fit' else None
-        if start is not None and not parts.plan_cached(options.shared_args, inputs, targets):
-          start, early = None, start()  # before planning: it compiles beside the search (a cached plan has none)
-        with _finishing(early, report=False), _errors_of_the_whole_batch(parts, options.shared_args, inputs, targets):
-          trainer.plan_memory(inputs, targets, options.shared_args)
-        if layout.batch_size not in trainer.stream_chunks and trainer.num_micro_batch_for(layout.batch_size) == 1:
-          if early is not None:  # one micro-batch: accumulation trains the whole batch's loss, nothing to warn
-            early(report=False)  # about (a streamed batch's chunks are combined like micro-batches: its check stays)
-          early = start = None
+      _start_batch(trainer, parts, phase, position, layout.batch_size, options)
+      early, start = _planned(trainer, parts, phase, options, inputs, targets, layout.batch_size)
       update = last or (position + 1) % window == 0
       chunk = trainer.stream_chunks.get(layout.batch_size)
       if chunk is None:
-        if early is None and start is None and phase == 'fit':
-          start = parts.check_loss_once(options.shared_args, inputs, targets)
-        kind = _step_kind(trainer, phase, update)
-        with _finishing(early), _closing(parts.window, kind == 'close' and not update):
-          loss, aux = _run_step(trainer, parts, phase, kind, options, inputs, targets, layout.batch_size)
-        feed.dispatched(loss)  # the next batch on its way to the device while this step runs
-        # the check not started yet is traced now, while the step runs (dispatched), compiled and run beside it
-        # and the next; its warnings once the next is dispatched (or at a report, or the pass's end)
-        _finish(checking)
-        started = _started(start)
-        if started is not None:
-          checking.append(started)
+        loss, aux = _unstreamed(trainer, parts, phase, update, options, inputs, targets, layout.batch_size,
+                                (early, start), checking, feed)
       else:
         loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk,
                                   early or _started(start))
       log.record(loss, aux, _describe(trainer, layout.batch_size, window))
-      if phase == 'fit':
-        run.batch_trained(update)
-      if bar is not None:
-        bar.update(1)
-      if options.num_report > 0 and log.steps % options.num_report == 0:
-        _finish(checking)  # its warnings before the report
-        _emit(trainer, log, log.steps, 'steps', phase, bar, options.fun_after_report)
-      if phase == 'fit':
-        run.after_report(update)
+      _batch_done(trainer, log, run, bar, phase, update, options, checking)
       stop.check()
     _finish(checking)
     if options.num_report <= 0:
@@ -229,6 +195,71 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
   finally:
     if bar is not None:
       bar.close()
+
+
+def _start_batch(trainer, parts: TrainerParts, phase: str, position: int, batch_size: int,
+                 options: LoopOptions) -> None:
+  """The model state a batch starts from: reset at its size (or, carried, checked to hold as many samples), and
+  the Variables on the mesh."""
+  if options.reset_state:
+    trainer.target.reset(batch_size)
+    trainer.reset_state()
+  else:  # the model state this batch continues holds as many samples
+    check_carried_batch(trainer.target, batch_size, f'{"train" if phase == "fit" else "test"}_data', position)
+  parts.place_on_mesh(batch_size)  # the same placement every step: one compilation per batch shape
+
+
+def _planned(trainer, parts: TrainerParts, phase: str, options: LoopOptions, inputs, targets, batch_size: int):
+  """``num_micro_batch='auto'``: the batch size planned. Returns the first-batch check (once per trainer, changes
+  nothing) as ``(early, start)``: ``early``, started before planning (it compiles beside the search), or
+  ``start``, to start once the first step is dispatched; ``None`` where there is none."""
+  if trainer.num_micro_batch != 'auto':
+    return None, None
+  early, start = None, parts.check_loss_once(options.shared_args, inputs, targets, True) if phase == 'fit' else None
+  if start is not None and not parts.plan_cached(options.shared_args, inputs, targets):
+    start, early = None, start()  # before planning: it compiles beside the search (a cached plan has none)
+  with _finishing(early, report=False), _errors_of_the_whole_batch(parts, options.shared_args, inputs, targets):
+    trainer.plan_memory(inputs, targets, options.shared_args)
+  if batch_size not in trainer.stream_chunks and trainer.num_micro_batch_for(batch_size) == 1:
+    if early is not None:  # one micro-batch: accumulation trains the whole batch's loss, nothing to warn
+      early(report=False)  # about (a streamed batch's chunks are combined like micro-batches: its check stays)
+    early = start = None
+  return early, start
+
+
+def _unstreamed(trainer, parts: TrainerParts, phase: str, update: bool, options: LoopOptions, inputs, targets,
+                batch_size: int, check: tuple, checking: List[Callable[..., None]], feed: Feed):
+  """One batch's step (not streamed); the first-batch check started beside it (``check``: ``(early, start)``
+  of :func:`_planned`) goes to ``checking``. Its ``(loss, aux)``."""
+  early, start = check
+  if early is None and start is None and phase == 'fit':
+    start = parts.check_loss_once(options.shared_args, inputs, targets)
+  kind = _step_kind(trainer, phase, update)
+  with _finishing(early), _closing(parts.window, kind == 'close' and not update):
+    loss, aux = _run_step(trainer, parts, phase, kind, options, inputs, targets, batch_size)
+  feed.dispatched(loss)  # the next batch on its way to the device while this step runs
+  # the check not started yet is traced now, while the step runs (dispatched), compiled and run beside it and the
+  # next; its warnings once the next is dispatched (or at a report, or the pass's end)
+  _finish(checking)
+  started = _started(start)
+  if started is not None:
+    checking.append(started)
+  return loss, aux
+
+
+def _batch_done(trainer, log: PhaseLog, run: Run, bar, phase: str, update: bool, options: LoopOptions,
+                checking: List[Callable[..., None]]) -> None:
+  """After a batch's step: where the run stands, the progress bar, a report every ``num_report`` batches (the
+  first-batch check's warnings before it) and a checkpoint every ``checkpoint_every`` updates."""
+  if phase == 'fit':
+    run.batch_trained(update)
+  if bar is not None:
+    bar.update(1)
+  if options.num_report > 0 and log.steps % options.num_report == 0:
+    _finish(checking)  # its warnings before the report
+    _emit(trainer, log, log.steps, 'steps', phase, bar, options.fun_after_report)
+  if phase == 'fit':
+    run.after_report(update)
 
 
 def _started(start: Optional[Callable[[], Optional[Callable[..., None]]]]) -> Optional[Callable[..., None]]:

@@ -8,7 +8,7 @@ from brainpy_accum import compiled_step_bytes
 from brainpy_accum.bench import __main__ as bench_main
 from brainpy_accum.bench import soak
 from brainpy_accum.bench.measure import largest_batch_within, measure_all, per_round_ratio, time_in_rounds
-from brainpy_accum.bench.methods import Step, build_step
+from brainpy_accum.bench.measure import Step, build_step
 from brainpy_accum.bench.report import markdown_report, plot
 from brainpy_accum.bench.workloads import Shape
 
