@@ -159,9 +159,11 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     ``False`` (default): each micro-batch's loss is its own, and the combined
     gradient is exact for losses that are a (weighted) mean or sum of
     per-sample terms. At the first batch :meth:`fit` checks once, evaluating
-    ``loss_fun`` at random outputs (the model is not run), whether the loss
-    is such a mean and warns, with the measured difference, if it is not.
-    ``True``: exact for ANY loss of the
+    ``loss_fun`` at random outputs (the model is not run; i.i.d. values, and
+    each micro-batch at a level of its own so that batch-wide means and
+    norms differ), whether the loss and its gradient with respect to the
+    outputs are such a mean's, and warns, with the measured difference, if
+    they are not. ``True``: exact for ANY loss of the
     whole batch's predictions and monitors (batch-wide firing-rate
     regularisers, batch statistics, maxima, contrastive terms), by two
     passes inside the one compiled step: every micro-batch runs forward
@@ -177,17 +179,21 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     known from their separate losses), ``grad_reduction='sum'`` or
     ``loss_weight_fn`` (the loss itself normalises).
   aux_reduction : dict, optional
-    With ``loss_has_aux=True``: how scalar metrics that are not means over
-    samples combine over micro-batches (and devices, and streamed chunks),
-    by metric name: ``'mean'``, ``'sum'`` (counts; integer dtypes kept),
-    ``'max'`` or ``'min'``, e.g. ``{'max_rate': 'max', 'n_correct': 'sum'}``.
-    Undeclared scalar metrics combine like the loss (weighted mean; a sum
-    with ``grad_reduction='sum'``). Per-sample metrics, arrays whose shape
-    holds the batch (``(B,)``, ``(B, T)``, ``(T, B, ...)``), need no
-    declaration: they are stitched along their batch axis into the whole
-    batch's array, as :class:`brainpy.BPTT` records them. At the first batch
-    :meth:`fit` checks that each scalar metric of the whole batch equals its
-    combination and warns, naming the metric, if it does not.
+    With ``loss_has_aux=True``: how scalar metrics combine over micro-batches
+    (and devices, and streamed chunks), by metric name: ``'mean'``, ``'sum'``
+    (counts; integer dtypes kept), ``'max'`` or ``'min'``, e.g.
+    ``{'max_rate': 'max', 'n_correct': 'sum'}``. A declaration always wins.
+    Undeclared scalar metrics get, in the default mode, the one of the four
+    that the first batch's check finds to give the whole batch's value from
+    the micro-batches' values at random outputs (before the first step is
+    traced); where none or several do (a metric constant there), they
+    combine like the loss (weighted mean; a sum with
+    ``grad_reduction='sum'``) and it warns, naming the metric. Per-sample
+    metrics, arrays whose shape holds the batch (``(B,)``, ``(B, T)``,
+    ``(T, B, ...)``), need no declaration: they are stitched along their
+    batch axis into the whole batch's array, as :class:`brainpy.BPTT`
+    records them. A declared scalar metric whose combination differs from
+    its whole-batch value at the first batch warns too.
   cache : bool, str or os.PathLike
     Caches that make a rerun of the same script start fast: JAX's
     persistent compilation cache (in ``<folder>/jax``, only if JAX has no
@@ -274,6 +280,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     super().__init__(target, loss_fun, optimizer=optimizer, **kwargs)
     self._metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
     self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
+    self._found_reductions: Dict[str, str] = {}  # undeclared scalar metrics' reductions, found by the loss check
     self.num_micro_batch, self.micro_batch_size, self.grad_reduction = num_micro_batch, micro_batch_size, grad_reduction
     self.target_batch_axis, self.remat, self.loss_weight_fn = target_batch_axis, remat, loss_weight_fn
     self.memory_budget = None if memory_budget is None else parse_memory(memory_budget)
@@ -439,11 +446,22 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
                                    plan=plan, forward=self._forward, loss_of=self._loss_of,
                                    weigh=self._weigh, variables=variables, jit=self.jit[c.FIT_PHASE],
                                    reduction=self.grad_reduction, declared=self.aux_reduction,
-                                   has_metrics=self.loss_has_aux)
+                                   has_metrics=self.loss_has_aux, use_found=self._use_found_reductions)
       self._check_running = finish  # the planner waits for it before timing trial steps
       return finish
 
+    if self.loss_has_aux:  # it finds how undeclared metrics combine: started before any step is traced
+      finish = start()
+      return lambda: finish
     return start
+
+  def _use_found_reductions(self, found: Dict[str, str]) -> None:
+    """The first-batch check found how undeclared metrics combine: steps traced before with other rules (the
+    planner's, when the check could not run before it) are traced again."""
+    if self._metric_plans:
+      self._metric_plans.clear()
+      self._jit_steps()
+    self._found_reductions.update(found)
 
   # ------------------------------------------------------------------ placement, plans, checkpoints
 
@@ -783,7 +801,7 @@ class AccumBPTT(Planning, ModelLoss, Compilations, bp.BPTT):
     if key not in self._metric_plans:  # the train and evaluation steps of a batch shape trace it once
       self._metric_plans[key] = metric_plan_of(
         lambda micro_args, n: self._loss_and_aux(shared_args, *micro_args)[1], args, axes, plan, states,
-        self.aux_reduction, self.grad_reduction)
+        self.aux_reduction, self.grad_reduction, self._found_reductions)
     self._metric_rules = self._metric_plans[key]
     return self._metric_rules
 
