@@ -238,7 +238,7 @@ def _conclude(loss, reduction='mean', weigh=None, num_micro_batch=3, shape=(10, 
   return evidence, [str(w.message) for w in record]
 
 
-@pytest.mark.parametrize('coefficient', [1e-1, 1e-4, 1e-9])
+@pytest.mark.parametrize('coefficient', [pytest.param(1e-1, marks=pytest.mark.long), 1e-4, 1e-9])
 def test_batch_wide_mean_of_a_monitor_warns_whatever_its_coefficient(coefficient):
   """The gradient with respect to the voltage is all regulariser: on the whole batch it follows the batch's mean,
   on a micro-batch that micro-batch's, which differ by a share of the gap between levels, whatever the
