@@ -7,8 +7,10 @@ Every leaf of the metrics gets a :class:`MetricRule`, found once while the step 
   so the batch gets exactly the array the whole batch would give, whatever the cut;
 - any other leaf (a scalar, or an array of fixed shape) is **reduced** over the micro-batches: ``'mean'``
   (weighted like the loss: sample counts or ``loss_weight_fn``), ``'sum'`` (integer counts stay integers),
-  ``'max'`` or ``'min'``. The default is the loss's own combination (``'mean'``, or ``'sum'`` with
-  ``grad_reduction='sum'``); ``aux_reduction={'name': 'max'}`` declares another;
+  ``'max'`` or ``'min'``. ``aux_reduction={'name': 'max'}`` declares one; an undeclared leaf takes the one that
+  the default mode's first-batch check found (:func:`reductions_that_fit`: the one combination of the
+  micro-batches' values that gives the whole batch's, at random outputs), else the loss's own combination
+  (``'mean'``, or ``'sum'`` with ``grad_reduction='sum'``);
 - ``'whole'``: the leaf is already the whole batch's (one micro-batch, or the two-pass mode), taken as it is.
 
 The combination has two halves so that devices can meet in between: :func:`stacked_partials` turns the
@@ -26,9 +28,10 @@ from ._combine import weighted_sum
 from ._cut import MicroBatchPlan
 from ._shapes import second_sizes, traced_shapes
 
-__all__ = ['AUX_REDUCTIONS', 'MetricsError', 'MetricRule', 'MetricPlan', 'across_devices', 'check_aux_reduction', 'combine_on_host',
-           'finish_metrics', 'join_metrics', 'metric_rules', 'metric_name', 'split_metrics', 'stacked_partials',
-           'stitched_axes', 'summed_leaves', 'metric_plan_of', 'plan_from_shapes', 'WHOLE_METRICS']
+__all__ = ['AUX_REDUCTIONS', 'MetricsError', 'MetricRule', 'MetricPlan', 'across_devices', 'check_aux_reduction',
+           'combine_on_host', 'default_reduction', 'finish_metrics', 'join_metrics', 'metric_rules', 'metric_name',
+           'reductions_that_fit', 'split_metrics', 'stacked_partials', 'stitched_axes', 'summed_leaves',
+           'metric_plan_of', 'plan_from_shapes', 'undeclared_leaves', 'with_candidates', 'WHOLE_METRICS']
 
 AUX_REDUCTIONS = ('mean', 'sum', 'max', 'min')
 
@@ -85,30 +88,38 @@ def metric_name(path) -> str:
 
 
 def metric_plan_of(metrics_of: Callable, args: tuple, axes, plan: MicroBatchPlan, states, declared: Dict[str, str],
-                   grad_reduction: str) -> MetricPlan:
+                   grad_reduction: str, found: Optional[Dict[str, str]] = None) -> MetricPlan:
   """The :class:`MetricPlan` of ``metrics_of(micro_args, n)`` (the metrics of a micro-batch of ``n`` samples)
   over ``plan``'s micro-batches, from its shapes at two sizes (traced, not run)."""
   sizes = second_sizes(plan)
   small, large = traced_shapes(metrics_of, args, axes, states, sizes)
-  return plan_from_shapes(small, large, sizes, declared, grad_reduction, plan.batch_size)
+  return plan_from_shapes(small, large, sizes, declared, grad_reduction, plan.batch_size, found)
+
+
+def default_reduction(grad_reduction: str) -> str:
+  """How a scalar metric combines when nothing is declared or found: like the loss."""
+  return 'sum' if grad_reduction == 'sum' else 'mean'
 
 
 def plan_from_shapes(small, large, sizes, declared: Dict[str, str], grad_reduction: str,
-                     batch_size: int) -> MetricPlan:
-  """:func:`metric_rules` with the defaults of ``grad_reduction``: undeclared scalars combine like the loss."""
-  default = 'sum' if grad_reduction == 'sum' else 'mean'
-  found = metric_rules(small, large, sizes, declared, default, batch_size)
-  return found._replace(mean_by_weight=grad_reduction == 'mean')
+                     batch_size: int, found: Optional[Dict[str, str]] = None) -> MetricPlan:
+  """:func:`metric_rules` with the defaults of ``grad_reduction``: undeclared scalars that nothing was
+  ``found`` for combine like the loss."""
+  rules = metric_rules(small, large, sizes, declared, default_reduction(grad_reduction), batch_size, found)
+  return rules._replace(mean_by_weight=grad_reduction == 'mean')
 
 
-def metric_rules(small, large, sizes, declared: Dict[str, str], default: str, batch_size: int) -> MetricPlan:
+def metric_rules(small, large, sizes, declared: Dict[str, str], default: str, batch_size: int,
+                 found: Optional[Dict[str, str]] = None) -> MetricPlan:
   """The :class:`MetricPlan` of metrics shaped ``small`` and ``large`` at the micro-batch ``sizes`` (two).
 
-  ``declared``: ``aux_reduction``; ``default``: the reduction of undeclared leaves; ``batch_size``: the samples
-  a stitched leaf holds in the end (this device's share). Raises ``ValueError`` for a metric whose shape changes
-  with the micro-batch on several axes (it cannot be stitched), a declared reduction of a per-sample metric,
-  and a declared name that ``loss_fun`` does not return.
+  ``declared``: ``aux_reduction`` (by metric name); ``found``: the reductions of undeclared leaves that the
+  first-batch check found (by the leaf's path, ``jax.tree_util.keystr``); ``default``: the reduction of the
+  other leaves; ``batch_size``: the samples a stitched leaf holds in the end (this device's share). Raises
+  ``ValueError`` for a metric whose shape changes with the micro-batch on several axes (it cannot be stitched), a
+  declared reduction of a per-sample metric, and a declared name that ``loss_fun`` does not return.
   """
+  found = found or {}
   rules, stitched = [], []
   paths = jax.tree_util.tree_flatten_with_path(small)[0]
   names = {metric_name(path) for path, _ in paths}
@@ -133,8 +144,57 @@ def metric_rules(small, large, sizes, declared: Dict[str, str], default: str, ba
       rules.append(MetricRule(moved[0], 'stitch'))
       stitched.append(jax.ShapeDtypeStruct(a.shape[:moved[0]] + (batch_size,) + a.shape[moved[0] + 1:], a.dtype))
     else:
-      rules.append(MetricRule(None, declared.get(metric_name(path), default)))
+      how = declared.get(metric_name(path)) or found.get(jax.tree_util.keystr(path), default)
+      rules.append(MetricRule(None, how))
   return MetricPlan(rules, stitched)
+
+
+def undeclared_leaves(paths: Sequence, rules: Sequence[MetricRule], declared: Dict[str, str]) -> List[int]:
+  """The flattened indices of the reduced leaves (scalars, fixed shapes) whose metric ``aux_reduction`` does not
+  name: those whose reduction the first-batch check finds. ``paths``: every leaf's path, in order."""
+  return [i for i, (path, rule) in enumerate(zip(paths, rules))
+          if rule.axis is None and metric_name(path) not in declared]
+
+
+def with_candidates(plan: MetricPlan, leaves: Sequence[int], extra: Sequence[str] = ()) -> MetricPlan:
+  """``plan`` for metrics followed by every candidate combination of the leaves ``leaves``: the metrics tree
+  ``(aux, [[leaf] * len(AUX_REDUCTIONS) for each of leaves], *extra leaves)`` combines each copy by one of
+  :data:`AUX_REDUCTIONS` in turn, and each ``extra`` leaf by the reduction given for it. The engine then
+  combines every candidate exactly as a train step with that reduction would (integer sums stay integers)."""
+  candidates = [MetricRule(None, how) for _ in leaves for how in AUX_REDUCTIONS]
+  return plan._replace(rules=list(plan.rules) + candidates + [MetricRule(None, how) for how in extra])
+
+
+def _finite(x: np.ndarray) -> bool:
+  return not np.issubdtype(x.dtype, np.inexact) or bool(np.all(np.isfinite(x)))
+
+
+def reductions_that_fit(whole: Sequence[np.ndarray], candidates: Sequence[Sequence[np.ndarray]],
+                        rtol: float = 1e-5, atol: float = 1e-6) -> List[str]:
+  """The reductions of :data:`AUX_REDUCTIONS` that reproduce a metric's whole-batch value from its micro-batch
+  values at every point of evidence where that value is finite (none if it is finite at none).
+
+  ``whole[p]``: the whole batch's value at point ``p``; ``candidates[p][k]``: the combination of the
+  micro-batches' values there by ``AUX_REDUCTIONS[k]``. A candidate fits where it has the whole value's shape
+  and dtype (a mean of a count is a float: it does not fit an int32 count) and equals it to float32 round-off.
+
+  >>> import numpy as np
+  >>> whole = [np.float32(0.9), np.float32(0.7)]              # a batch maximum at two points
+  >>> micro = [[np.float32(.8), np.float32(1.6), np.float32(.9), np.float32(.7)],  # mean, sum, max, min
+  ...          [np.float32(.6), np.float32(1.2), np.float32(.7), np.float32(.5)]]
+  >>> reductions_that_fit(whole, micro)
+  ['max']
+  """
+  usable = [p for p, w in enumerate(whole) if _finite(np.asarray(w))]
+  if not usable:
+    return []
+
+  def same(w, c) -> bool:
+    w, c = np.asarray(w), np.asarray(c)
+    return (w.shape == c.shape and w.dtype == c.dtype
+            and np.allclose(w.astype(np.float64), c.astype(np.float64), rtol=rtol, atol=atol))
+
+  return [how for k, how in enumerate(AUX_REDUCTIONS) if all(same(whole[p], candidates[p][k]) for p in usable)]
 
 
 def split_metrics(aux, rules: Sequence[MetricRule]):

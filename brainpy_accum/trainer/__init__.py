@@ -5,7 +5,7 @@
 ``_compiled_steps``: the steps it runs, jitted or compiled ahead of time for the planner; ``_step``: one batch's
 step (sums, settled, clipped, guarded; on a mesh: ``_sharded``); ``_window``: accumulation across batches;
 ``_model_loss``: the model's predictions and loss over bp.BPTT's own functions; ``_coupled_loss``: the
-first-batch check that the loss is a mean over samples; ``_target_axes``: targets' batch axes from evidence;
+first-batch check that the loss is a mean over samples (what it computes: ``_random_outputs``);
 ``_arguments``: argument checks and their errors; ``_report``: the metric history and report lines. The memory
 planner is :mod:`brainpy_accum.memory`'s.
 """

@@ -40,7 +40,7 @@ from ._fit_loop import TrainerParts
 from ._fit_loop import fit as run_fit
 from ._model_loss import BPTTFunctions, ModelLoss
 from ._sharded import split_variables
-from ._target_axes import TargetAxes
+from ..core._target_axes import TargetAxes
 from ._window import GradWindow, check_accumulate_steps
 
 __all__ = ['AccumBPTT']
@@ -147,9 +147,11 @@ class AccumBPTT(bp.BPTT):
     ``False`` (default): each micro-batch's loss is its own, and the combined
     gradient is exact for losses that are a (weighted) mean or sum of
     per-sample terms. At the first batch :meth:`fit` checks once, evaluating
-    ``loss_fun`` at random outputs (the model is not run), whether the loss
-    is such a mean and warns, with the measured difference, if it is not.
-    ``True``: exact for ANY loss of the
+    ``loss_fun`` at random outputs (the model is not run; i.i.d. values, and
+    each micro-batch at a level of its own so that batch-wide means and
+    norms differ), whether the loss and its gradient with respect to the
+    outputs are such a mean's, and warns, with the measured difference, if
+    they are not. ``True``: exact for ANY loss of the
     whole batch's predictions and monitors (batch-wide firing-rate
     regularisers, batch statistics, maxima, contrastive terms), by two
     passes inside the one compiled step: every micro-batch runs forward
@@ -165,17 +167,21 @@ class AccumBPTT(bp.BPTT):
     known from their separate losses), ``grad_reduction='sum'`` or
     ``loss_weight_fn`` (the loss itself normalises).
   aux_reduction : dict, optional
-    With ``loss_has_aux=True``: how scalar metrics that are not means over
-    samples combine over micro-batches (and devices, and streamed chunks),
-    by metric name: ``'mean'``, ``'sum'`` (counts; integer dtypes kept),
-    ``'max'`` or ``'min'``, e.g. ``{'max_rate': 'max', 'n_correct': 'sum'}``.
-    Undeclared scalar metrics combine like the loss (weighted mean; a sum
-    with ``grad_reduction='sum'``). Per-sample metrics, arrays whose shape
-    holds the batch (``(B,)``, ``(B, T)``, ``(T, B, ...)``), need no
-    declaration: they are stitched along their batch axis into the whole
-    batch's array, as :class:`brainpy.BPTT` records them. At the first batch
-    :meth:`fit` checks that each scalar metric of the whole batch equals its
-    combination and warns, naming the metric, if it does not.
+    With ``loss_has_aux=True``: how scalar metrics combine over micro-batches
+    (and devices, and streamed chunks), by metric name: ``'mean'``, ``'sum'``
+    (counts; integer dtypes kept), ``'max'`` or ``'min'``, e.g.
+    ``{'max_rate': 'max', 'n_correct': 'sum'}``. A declaration always wins.
+    Undeclared scalar metrics get, in the default mode, the one of the four
+    that the first batch's check finds to give the whole batch's value from
+    the micro-batches' values at random outputs (before the first step is
+    traced); where none or several do (a metric constant there), they
+    combine like the loss (weighted mean; a sum with
+    ``grad_reduction='sum'``) and it warns, naming the metric. Per-sample
+    metrics, arrays whose shape holds the batch (``(B,)``, ``(B, T)``,
+    ``(T, B, ...)``), need no declaration: they are stitched along their
+    batch axis into the whole batch's array, as :class:`brainpy.BPTT`
+    records them. A declared scalar metric whose combination differs from
+    its whole-batch value at the first batch warns too.
   cache : bool, str or os.PathLike
     Caches that make a rerun start fast: JAX's persistent compilation cache
     (``<folder>/jax``, unless JAX has a cache folder already) and the
@@ -290,7 +296,7 @@ class AccumBPTT(bp.BPTT):
     self._check = FirstBatchCheck(
       self.target, CheckParts(self._check_batch, self.plan_for, self._known_plan, self._argument_bytes,
                               lambda: self.planner.budget, self._steps.check_flat_states, self._quiet,
-                              model.forward, model.loss_of, model.weigh, self._variables),
+                              model.forward, model.loss_of, model.weigh, self._variables, self._steps.use_found),
       loss_func=self._loss_func, jit=bool(self.jit['fit']), on_mesh=self.mesh is not None,
       reduction=self.grad_reduction, declared=self.aux_reduction, has_metrics=self.loss_has_aux,
       weighted=self.loss_weight_fn is not None, done=self.whole_batch_loss)

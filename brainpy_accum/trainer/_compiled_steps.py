@@ -99,6 +99,7 @@ class CompiledSteps:
     self.trace_counts = {'fit': 0, 'loss': 0}
     self.metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
     self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
+    self.found_reductions: Dict[str, str] = {}  # undeclared scalar metrics' reductions, found by the loss check
     self.rebuild()
 
   def rebuild(self) -> None:
@@ -108,6 +109,14 @@ class CompiledSteps:
     # (kind, batch size) -> the planner's compiled step, which fit runs: 'fit', or 'close' (a streamed batch's
     # last chunk, whose step is the one the planner compiles for a chunk)
     self._kept: Dict[Tuple[str, int], Any] = {}
+
+  def use_found(self, found: Dict[str, str]) -> None:
+    """The first-batch check found how undeclared metrics combine: steps traced before with other rules (the
+    planner's, when the check could not run before it) are traced again."""
+    if self._metric_plans:
+      self._metric_plans.clear()
+      self.rebuild()
+    self.found_reductions.update(found)
 
   def jitted(self, kind: str) -> Callable:
     """The ``kind`` step (``'fit'``, ``'loss'``, ``'collect'`` or ``'close'``): jitted unless ``jit`` says
@@ -214,7 +223,7 @@ class CompiledSteps:
     if key not in self._metric_plans:  # the train and evaluation steps of a batch shape trace it once
       self._metric_plans[key] = metric_plan_of(
         lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args)[1], args, axes, plan, states,
-        self.options.aux_reduction, self.options.grad_reduction)
+        self.options.aux_reduction, self.options.grad_reduction, self.found_reductions)
     self.metric_rules = self._metric_plans[key]
     return self.metric_rules
 

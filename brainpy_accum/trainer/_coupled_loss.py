@@ -1,48 +1,56 @@
-"""The default mode's one-time check, at the first batch, that ``loss_fun`` is a mean over samples.
+"""The default mode's one-time check, at the first batch, that ``loss_fun`` is a mean over samples, and how its
+scalar metrics combine.
 
 Accumulating micro-batch gradients trains the weighted mean (``'sum'``: the sum) of the micro-batch losses.
 For a loss that couples the samples of a batch (a batch-wide regulariser, a maximum) that is another
 objective. The check evaluates ``loss_fun`` alone, on the first batch's data (targets, and inputs for
-``loss_weight_fn``) with random outputs in place of the model's, at two points (:data:`POINTS`: uniform
-values, and 0-or-1 values like spikes): the loss of the whole batch against the combination of the
-micro-batch losses, and each scalar metric against its declared combination. The model is only traced, for
-its outputs' shapes: nothing of it is compiled or run, so the check costs one small compilation. Random
-outputs show what the model's first outputs may hide: a spike-count penalty summed over the batch is 0 on
-every micro-batch while no neuron spikes yet, but not at either point.
+``loss_weight_fn``) with random outputs in place of the model's, at three points (:data:`POINTS`: uniform
+values, 0-or-1 values like spikes, and each micro-batch at a level of its own): the loss of the whole batch
+against the combination of the micro-batch losses and, at the third, their gradients with respect to every
+output too (:mod:`~brainpy_accum.trainer._random_outputs` computes them). The model is only traced, for its outputs' shapes: nothing of it is compiled or run, so the check
+costs one small compilation. Random outputs show what the model's first outputs may hide: a spike-count
+penalty summed over the batch is 0 on every micro-batch while no neuron spikes yet, but not at random outputs.
+At i.i.d. outputs every micro-batch's mean is nearly the batch's, so a term built on a batch-wide mean, variance
+or norm (a squared mean voltage) differs by little there; with the micro-batches at levels of their own it
+differs by a share of the gap between levels, and its gradient with respect to the output it reads (a monitor
+the rest of the loss does not touch) differs by that share whatever the term's coefficient.
 
-If either differs, a warning says by how much and points to ``whole_batch_loss=True``. A loss that is a
-weighted mean (``'sum'``: a sum) of per-sample terms agrees everywhere, to float32 round-off. What it cannot
-see: a coupling through something other than the outputs (a loss that reads a Variable), or one that only
-shows at outputs unlike both points checked (and not at all where the loss is not finite at either: then it
-says so). The check changes nothing, never stops training, and is one
-compiled function. It is skipped (nothing to compile) when ``loss_fun`` is BrainPy's own
-``mean_squared_error`` or ``mean_absolute_error`` with its default mean, without metrics, ``loss_weight_fn``
-or ``grad_reduction='sum'``: a mean over every element is a mean over samples, whatever the values.
+If they differ, a warning says by how much and points to ``whole_batch_loss=True``. A loss that is a
+weighted mean (``'sum'``: a sum) of per-sample terms agrees everywhere, to float32 round-off (its gradient
+entries too: each is the same expression of the same values). What it cannot see: a coupling through
+something other than the outputs (a loss that reads a Variable), or one that only shows at outputs unlike all
+points checked (and not at all where the loss is not finite at any: then it says so).
+
+Scalar metrics (``loss_has_aux``): each one declared in ``aux_reduction`` is compared with its declared
+combination; each undeclared one is combined by every reduction of ``aux_reduction`` (mean, sum, max, min)
+exactly as a train step would, and the one that gives the whole batch's value at every point is the one the
+train step uses (:func:`found_reductions`); none, or several (a metric constant at every point), keep the loss's
+combination and warn, naming ``aux_reduction``. Then the check must end before the first train step is traced.
+
+The check changes nothing, never stops training, and is one compiled function. It is skipped (nothing to
+compile) when ``loss_fun`` is BrainPy's own ``mean_squared_error`` or ``mean_absolute_error`` with its default
+mean, without metrics, ``loss_weight_fn`` or ``grad_reduction='sum'``: a mean over every element is a mean over
+samples, whatever the values.
 """
 
-import functools
 import threading
 import warnings
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, NamedTuple, Optional, Sequence
 
 import brainpy as bp
 import brainpy.math as bm
-import brainstate
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from ..core._batch import is_array
-from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan, plan_micro_batches
-from ..core._metrics import MetricsError, MetricPlan, finish_metrics, metric_name, plan_from_shapes
-from ..core._shapes import first_samples
+from ..core._metrics import AUX_REDUCTIONS, MetricsError, default_reduction, reductions_that_fit
 from ..core._states import values_restored, whole_batch_variables
-from ..core._two_pass import forward_pass, output_axes, second_sizes, traced_shapes, whole_batch_like
+from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_batch_like
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
+from ._random_outputs import LEVELS, POINTS, CheckNames, Evidence, loss_at_random_outputs
 
-__all__ = ['MEANS_OVER_ELEMENTS', 'POINTS', 'CheckParts', 'FirstBatchCheck', 'check_first_batch', 'check_in_background', 'check_loss',
-           'loss_at_random_outputs', 'random_outputs', 'warn_coupled_loss', 'warn_if_coupled']
+__all__ = ['MEANS_OVER_ELEMENTS', 'CheckParts', 'FirstBatchCheck', 'check_first_batch', 'check_in_background',
+           'check_loss', 'conclude', 'found_reductions', 'warn_coupled_loss', 'warn_if_coupled', 'warn_metrics']
 
 
 # BrainPy's losses that are, with their default reduction, the mean over every element of every leaf (a sum of
@@ -52,107 +60,23 @@ __all__ = ['MEANS_OVER_ELEMENTS', 'POINTS', 'CheckParts', 'FirstBatchCheck', 'ch
 MEANS_OVER_ELEMENTS = (bp.losses.mean_squared_error, bp.losses.mean_absolute_error)
 
 
-# Where the loss is evaluated in place of the model's outputs: (name in the warning, how each leaf is drawn).
-POINTS = ('uniform in [0.1, 0.9)', '0 or 1, like spikes')
+# A per-sample loss's gradient with respect to an output entry is the same expression of the same values in the
+# whole batch and in a micro-batch, so the two agree to a few float32 roundings (measured: at most 3e-7 of the
+# leaf's largest entry, for cross entropies of the last step, the mean and the max over time, logsumexp, squared
+# errors, per-sample regularisers; batches up to 256 x 100 x 64, 2 to 7 micro-batches); a coupling at LEVELS moves
+# them by a share of the gap between the levels (measured 0.33 to 0.45 for a squared batch-wide mean).
+GRAD_RTOL = 1e-4
+GRAD_TINY = 1e-30  # differences below this are underflow, not a coupling
 
 
-def random_outputs(like, point: int):
-  """Values for the output shapes ``like`` (a tree of ``jax.ShapeDtypeStruct``): floating leaves in [0.1, 0.9) at
-  point 0 (inside every probability's and logarithm's domain) and 0 or 1 at point 1 (spikes); integer and
-  boolean leaves 0 or 1 at both.
-
-  Each value comes from a fixed integer hash of the element's position, its leaf and the point: values that
-  vary from element to element with no pattern a loss could line up with, from a few integer operations (JAX's
-  random generator would cost the check's compilation more than the loss itself does).
-  """
-  leaves, treedef = jax.tree_util.tree_flatten(like)
-  return treedef.unflatten([_hashed(x, i, point) for i, x in enumerate(leaves)])
-
-
-def _hashed(like, leaf: int, point: int):
-  """Leaf number ``leaf``'s values at ``point`` (see :func:`random_outputs`), from a 32-bit integer hash of each
-  element's index."""
-  size = int(np.prod(like.shape, dtype=np.int64))
-  seed = 2 * leaf + point
-  bits = jax.lax.iota(jnp.uint32, size) + jnp.uint32((seed + 1) * 0x9E3779B9 % 2 ** 32)
-  for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):  # a well-mixing 32-bit hash (two rounds)
-    bits = (bits ^ (bits >> shift)) * jnp.uint32(factor)
-  bits = bits ^ (bits >> 16)
-  uniform = (bits >> 8).astype(jnp.float32) * (1. / 2 ** 24)  # in [0, 1)
-  if jnp.issubdtype(like.dtype, jnp.floating) and point == 0:
-    value = 0.1 + 0.8 * uniform
-  else:
-    value = (uniform < 0.5).astype(jnp.float32)
-  return value.reshape(like.shape).astype(like.dtype)
-
-
-def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes, outputs_like, out_axes,
-                           plan: MicroBatchPlan, reduction: str, names=None, declared=None, has_metrics: bool = True):
-  """``(whole, combined, metrics)``: at each of :data:`POINTS`, the loss of the whole batch and the combination
-  (weighted mean, ``'sum'``: sum) of the micro-batch losses, with random outputs shaped ``outputs_like`` (the
-  whole batch's; batch axes ``out_axes``) in place of the model's and the batch's own ``args``
-  (``(inputs, targets)``, batch axes ``axes``). ``metrics``: the whole batch's scalar metrics and their
-  combinations over the micro-batches (by ``declared``, the ``aux_reduction``) at point 0, two lists.
-  ``names``, if given, receives the metrics' paths; ``has_metrics=False``: the loss has none (not traced for
-  their shapes). Only ``loss_fun`` runs: no model, nothing to restore.
-  """
-  forward = lambda micro_args, size: micro_args[2]  # the outputs' micro-batch, cut like the data
-  micro_loss = lambda outputs, micro_args: loss_of(outputs, micro_args[1])
-  weigh_data = lambda micro_args, size: weigh(micro_args[:2], size)
-  metric_plan = functools.partial(_metric_plan, loss_of if has_metrics else None, args, axes, declared or {},
-                                  reduction, plan.batch_size)
-  planned = []
-
-  def metrics_of(small, large, sizes):  # the same output shapes at both points: the metrics are planned once
-    if not planned:
-      planned.append(metric_plan(small, large, sizes))
-    return planned[0]
-
-  wholes, combined = [], []
-  for point in range(len(POINTS)):
-    outputs = random_outputs(outputs_like, point)
-    sums, _, metrics = forward_pass(forward, tuple(args) + (outputs,), list(axes) + list(out_axes), plan, [],
-                                    micro_loss, weigh_data, metrics_of)
-    whole_loss, whole_aux = loss_of(outputs, args[1])  # one evaluation gives the loss and the metrics
-    wholes.append(bm.as_jax(whole_loss).astype(jnp.float32))
-    combined.append(finish_values(sums.loss_sum, sums.total_weight, reduction).astype(jnp.float32))
-    if point == 0:
-      combined_aux = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count,
-                                    metrics.mean_by_weight)
-      paths = jax.tree_util.tree_flatten_with_path(whole_aux)[0]
-      scalar = [i for i, rule in enumerate(metrics.rules) if rule.axis is None]
-      if names is not None:
-        names.metrics[:] = [(jax.tree_util.keystr(paths[i][0]), metric_name(paths[i][0]), metrics.rules[i].reduction)
-                            for i in scalar]
-      pick = lambda tree: [jax.tree_util.tree_leaves(tree)[i] for i in scalar]
-      point_metrics = (pick(whole_aux), pick(combined_aux))
-  return jnp.stack(wholes), jnp.stack(combined), point_metrics
-
-
-def _metric_plan(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,
-                 large, sizes) -> MetricPlan:
-  """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``: the loss
-  alone is traced (brainstate's ``eval_shape``: a loss that draws random numbers or writes a Variable leaves
-  them as they were, with or without jit), not the model; ``loss_of=None``: a loss without metrics."""
-  if loss_of is None:
-    return plan_from_shapes({}, {}, sizes, declared, reduction, batch_size)
-  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
-
-  def metrics_at(outputs, n):
-    micro_args = treedef.unflatten([x if a is None else first_samples(x, a, n) for x, a in zip(leaves, axes)])
-    return brainstate.transform.eval_shape(lambda o, t: loss_of(o, t)[1], outputs, micro_args[1])
-
-  return plan_from_shapes(metrics_at(small, sizes[0]), metrics_at(large, sizes[1]), sizes, declared, reduction,
-                          batch_size)
-
-
-def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, reduction: str) -> None:
-  """Run ``compare(names) -> (whole, combined, metrics)`` (:func:`loss_at_random_outputs`'), give ``variables``
-  their values back, and warn if they differ.
+def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, reduction: str,
+               use_found: Optional[Callable[[Dict[str, str]], None]] = None) -> None:
+  """Run ``compare(names) -> Evidence`` (:func:`loss_at_random_outputs`'), give ``variables`` their values back,
+  warn if the loss or a metric does not combine, and hand the metrics' reductions found to ``use_found``.
 
   A check that fails warns instead of raising: it must never stop training that would run without it.
   """
-  names = _Names()  # the metrics compared, named while ``compare`` is traced
+  names = CheckNames()  # the metrics compared, named while ``compare`` is traced
   with values_restored(variables):
     try:
       result = compare(names)
@@ -161,13 +85,29 @@ def check_loss(compare: Callable, variables: Sequence, plan: MicroBatchPlan, red
     except Exception as error:
       _could_not_check(error)
       return
-  warn_if_coupled(result, names, plan, reduction)
+  _use(conclude(result, names, plan, reduction), use_found)
 
 
-def warn_if_coupled(result, names: '_Names', plan: MicroBatchPlan, reduction: str) -> None:
-  """Warn about the loss and its scalar metrics from ``compare``'s ``result`` (:func:`loss_at_random_outputs`')."""
-  whole, combined, (whole_metrics, combined_metrics) = result
-  whole, combined = np.asarray(whole, np.float64), np.asarray(combined, np.float64)
+def _use(found: Dict[str, str], use_found: Optional[Callable[[Dict[str, str]], None]]) -> None:
+  if found and use_found is not None:
+    use_found(found)
+
+
+def conclude(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan, reduction: str) -> Dict[str, str]:
+  """Warn about the loss and its declared metrics from the check's ``evidence``, decide how each undeclared
+  scalar metric combines, and return those decisions that differ from the loss's own combination (by the leaf's
+  path), which the train step then uses."""
+  warn_if_coupled(evidence, names, plan, reduction)
+  whole, combined = evidence.metrics
+  warn_metrics(names.metrics, [np.asarray(v) for v in whole], [np.asarray(v) for v in combined], plan)
+  return found_reductions(names.undecided, evidence.undecided, plan, reduction)
+
+
+def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan, reduction: str) -> None:
+  """Warn once if the loss of the whole batch is not the combination of its micro-batch losses: in value at any of
+  :data:`POINTS`, or in its gradient with respect to an output at :data:`LEVELS`."""
+  whole, combined = np.asarray(evidence.whole, np.float64), np.asarray(evidence.combined, np.float64)
+  magnitude = np.asarray(evidence.magnitude, np.float64)
   usable = [p for p in range(len(POINTS)) if np.isfinite(whole[p]) and np.isfinite(combined[p])]
   if not usable:
     warnings.warn(f'Could not check whether loss_fun is a mean over samples: it is not finite at random outputs '
@@ -175,10 +115,50 @@ def warn_if_coupled(result, names: '_Names', plan: MicroBatchPlan, reduction: st
                   UserWarning, stacklevel=2)
     return
   for point in usable:
-    if warn_coupled_loss(whole[point], combined[point], plan, reduction, POINTS[point]):
-      break
-  warn_metrics(names.metrics, [np.asarray(v) for v in whole_metrics], [np.asarray(v) for v in combined_metrics],
-               plan)
+    if warn_coupled_loss(whole[point], combined[point], plan, reduction, POINTS[point], magnitude=magnitude[point]):
+      return
+  if evidence.gaps is not None and LEVELS in usable:
+    for path, (difference, scale) in zip(names.leaves, np.asarray(evidence.gaps, np.float64)):
+      if difference > GRAD_RTOL * scale and difference > GRAD_TINY:
+        _warn_coupled(f'its gradient with respect to {path} on the whole batch differs from the gradient of the '
+                      f'{"sum" if reduction == "sum" else "weighted mean"} of its values on the '
+                      f'{plan.describe_cuts()} micro-batches by up to {difference / scale:.3g} of its largest entry '
+                      f'(the loss itself: {whole[LEVELS]:.7g} and {combined[LEVELS]:.7g})', POINTS[LEVELS])
+        return
+
+
+def found_reductions(undecided: Sequence, evidence: Sequence, plan: MicroBatchPlan, reduction: str
+                     ) -> Dict[str, str]:
+  """How each undeclared scalar metric combines, from the evidence at every point (``(whole values, candidates)``
+  of :class:`Evidence`): the one of :data:`AUX_REDUCTIONS` that reproduces the whole batch's value from the
+  micro-batches' values everywhere. Where none does, or several do (a metric constant at the random outputs,
+  whose combination they cannot tell), it stays the loss's own combination and a warning names
+  ``aux_reduction``. Returns the reductions that differ from that default, by the leaf's path."""
+  default, found = default_reduction(reduction), {}
+  for k, (path, name) in enumerate(undecided):
+    whole = [np.asarray(values[k]) for values, _ in evidence]
+    candidates = [[np.asarray(c) for c in copies[k]] for _, copies in evidence]
+    fits = reductions_that_fit(whole, candidates)
+    if len(fits) == 1:
+      if fits[0] != default:
+        found[path] = fits[0]
+      continue
+    first = next((p for p, w in enumerate(whole) if np.all(np.isfinite(w.astype(np.float64)))), 0)
+    shown = ', '.join(f'{how} {_show(c)}' for how, c in zip(AUX_REDUCTIONS, candidates[first]))
+    if fits:
+      why = (f'its {", ".join(fits)} over the {plan.describe_cuts()} micro-batches all equal its whole-batch value '
+             f'{_show(whole[first])} at the random outputs checked, so these cannot tell how it combines')
+    elif any(np.all(np.isfinite(w.astype(np.float64))) for w in whole):
+      why = (f'it is {_show(whole[first])} on the whole first batch at random outputs ({POINTS[first]}), but no '
+             f'combination of its values on the {plan.describe_cuts()} micro-batches gives that ({shown})')
+    else:
+      why = 'it is not finite at any random outputs checked, so how it combines cannot be told'
+    warnings.warn(f'The metric metrics{path} of loss_fun: {why}. It is combined as a {default} (as the loss is), '
+                  f'and its recorded history may differ from bp.BPTT\'s. Declare how it combines with '
+                  f'aux_reduction={{{name!r}: ...}} (one of {AUX_REDUCTIONS}), make it a per-sample array '
+                  f'(stitched exactly) or a mean over samples, or pass whole_batch_loss=True to compute the metrics '
+                  f'on the whole batch.', UserWarning, stacklevel=3)
+  return found
 
 
 def _could_not_check(error: Exception) -> None:
@@ -188,14 +168,18 @@ def _could_not_check(error: Exception) -> None:
 
 
 def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan,
-                        reduction: str) -> Optional[Callable[..., None]]:
+                        reduction: str, use_found: Optional[Callable[[Dict[str, str]], None]] = None
+                        ) -> Optional[Callable[..., None]]:
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
   values of now. Returns ``finish(report=True)``, which waits for it and warns (``report=False``: only waits,
   for a step that raised): XLA compiles and runs the check while fit goes on (the planner's search, or the
   first train steps, dispatched before the check is traced), and the check's result does not depend on what
-  those steps change. No thread outlives the call of ``finish``."""
-  names = _Names()
+  those steps change. No thread outlives the call of ``finish``.
+
+  Where the loss has undeclared scalar metrics, the train step must know how they combine before it is traced:
+  then the check is waited for here, their reductions handed to ``use_found``, and ``finish`` only warns."""
+  names = CheckNames()
   with values_restored(variables):
     try:
       values = step.stateful_fun.get_state_trace(names, shared_args, inputs, targets,
@@ -217,22 +201,32 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
 
   thread = threading.Thread(target=run, name=f'{UNCOUNTED_THREAD_PREFIX} first-batch check', daemon=True)
   thread.start()
+  reported = []  # the warnings of the conclusion, given when finish() reports; the reductions found are used at once
 
   def finish(report: bool = True) -> None:
     thread.join()
-    if not report:
-      return
     if 'error' in done:
-      _could_not_check(done['error'])
-    else:
-      warn_if_coupled(done['result'], names, plan, reduction)
+      if report:
+        _could_not_check(done['error'])
+      return
+    if not reported:
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        _use(conclude(done['result'], names, plan, reduction), use_found)
+      reported.append(caught)
+    if report:
+      for warning in reported[0]:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
+  if names.undecided:  # the step to be traced next combines them as found
+    finish(report=False)
   return finish
 
 
 def warn_metrics(names: Sequence, whole: Sequence[np.ndarray], combined: Sequence[np.ndarray], plan: MicroBatchPlan,
                  rtol: float = 1e-5, atol: float = 1e-6) -> list:
-  """Warn once for every scalar metric whose whole-batch value differs from its combination over the micro-batches.
+  """Warn once for every declared scalar metric whose whole-batch value differs from its declared combination
+  over the micro-batches.
 
   ``names``: ``(path, name, reduction)`` of each metric. Returns the paths warned about.
   """
@@ -258,30 +252,35 @@ def _show(value: np.ndarray) -> str:
 
 
 def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str, point: str,
-                      rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+                      rtol: float = 1e-5, atol: float = 1e-6, magnitude: float = 0.) -> bool:
   """Warn if the loss of the whole batch differs from the combination of its micro-batch losses, both at the
   same random outputs (drawn as ``point`` says).
 
   A loss that is a weighted mean (``'sum'``: a sum) of per-sample terms agrees to float32 round-off at any
-  outputs; one that couples the samples does not. Returns whether it warned.
+  outputs; one that couples the samples does not. Round-off is relative to the larger of the whole batch's loss
+  and ``magnitude``, the same combination of the micro-batch losses' absolute values (they may cancel where the
+  micro-batches lie at levels of their own). Returns whether it warned.
   """
-  if abs(whole - combined) <= atol + rtol * abs(whole):
+  if abs(whole - combined) <= atol + rtol * max(abs(whole), abs(magnitude)):
     return False
   how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
-  warnings.warn(f'loss_fun couples the samples of a batch: with the first batch\'s data and random outputs '
-                f'({point}) in place of the model\'s, its value on the whole batch is {whole:.7g}, but the {how} '
-                f'of its values on the {plan.describe_cuts()} micro-batches is {combined:.7g} (difference '
-                f'{whole - combined:.3g}). Accumulating micro-batch gradients would train that other objective '
-                f'(e.g. a batch-wide firing-rate regulariser, or a spike count summed over the batch, shrinks '
-                f'with the micro-batch). Pass whole_batch_loss=True to train the whole-batch loss exactly '
-                f'(about one extra forward pass), or make the loss a mean over samples.', UserWarning, stacklevel=2)
+  _warn_coupled(f'its value on the whole batch is {whole:.7g}, but the {how} of its values on the '
+                f'{plan.describe_cuts()} micro-batches is {combined:.7g} (difference {whole - combined:.3g})', point)
   return True
+
+
+def _warn_coupled(what: str, point: str) -> None:
+  warnings.warn(f'loss_fun couples the samples of a batch: with the first batch\'s data and random outputs '
+                f'({point}) in place of the model\'s, {what}. Accumulating micro-batch gradients would train that '
+                f'other objective (e.g. a batch-wide firing-rate regulariser, or a spike count summed over the batch, '
+                f'shrinks with the micro-batch). Pass whole_batch_loss=True to train the whole-batch loss exactly '
+                f'(about one extra forward pass), or make the loss a mean over samples.', UserWarning, stacklevel=4)
 
 
 def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan: MicroBatchPlan,
                       forward: Callable, loss_of: Callable, weigh: Callable, variables: Sequence, jit: bool,
-                      reduction: str, declared: Optional[dict] = None, has_metrics: bool = True
-                      ) -> Optional[Callable[..., None]]:
+                      reduction: str, declared: Optional[dict] = None, has_metrics: bool = True,
+                      use_found: Optional[Callable[[Dict[str, str]], None]] = None) -> Optional[Callable[..., None]]:
   """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values.
 
   ``check_batch(inputs, targets) -> BatchLayout``; ``plan``: the micro-batches of the batch (of each device's
@@ -290,7 +289,9 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
   shapes);
   ``loss_of(predicts, targets) -> (loss, aux)``; ``weigh(micro_args, size)``: a micro-batch's weight;
   ``variables``: what the check must leave as it found it; ``jit``: compile the check; ``declared``: the
-  metrics' ``aux_reduction``; ``has_metrics``: whether ``loss_of`` returns any (``loss_has_aux``).
+  metrics' ``aux_reduction``; ``has_metrics``: whether ``loss_of`` returns any (``loss_has_aux``);
+  ``use_found(found)``: receives how the undeclared scalar metrics combine where that is not the loss's own
+  combination (``{path: reduction}``, see :func:`found_reductions`), before this returns if there are any.
 
   With ``jit`` the check is compiled and run beside the first train steps (:func:`check_in_background`); the
   returned ``finish()``, called after them, waits for it and warns. Without: it runs and warns now, and
@@ -313,18 +314,9 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
 
   if jit:  # it runs once: compiled quickly (unoptimised code), beside the first step
     return check_in_background(bm.jit(compare, static_argnums=(0, 1)), shared_args, inputs, targets, variables,
-                               plan, reduction)
-  check_loss(lambda names: compare(names, shared_args, inputs, targets), variables, plan, reduction)
+                               plan, reduction, use_found)
+  check_loss(lambda names: compare(names, shared_args, inputs, targets), variables, plan, reduction, use_found)
   return None
-
-
-class _Names:
-  """A list to fill while tracing (the compared metrics), hashable by identity, so that ``jit`` can take it as
-  a static argument."""
-
-  def __init__(self):
-    self.metrics = []
-
 
 class CheckParts(NamedTuple):
   """What the first-batch check reads of the trainer, handed over by it.
@@ -334,7 +326,8 @@ class CheckParts(NamedTuple):
   ``budget()``: whether the check fits beside planning; ``check_flat_states(shared_args, args, axes, plan,
   states, batch_size)``: the error naming ``batch_axis`` for a model that fails on a micro-batch;
   ``quiet()``: tracing without time-step bars; ``forward``, ``loss_of``, ``weigh``: the model's loss;
-  ``variables()``: what the check must leave as it found it.
+  ``variables()``: what the check must leave as it found it; ``use_found(found)``: receives how the undeclared
+  scalar metrics combine (:func:`found_reductions`), before the first step is traced.
   """
   check_batch: Callable
   plan_for: Callable
@@ -347,6 +340,7 @@ class CheckParts(NamedTuple):
   loss_of: Callable
   weigh: Callable
   variables: Callable[[], list]
+  use_found: Callable[[Dict[str, str]], None]
 
 
 class FirstBatchCheck:
@@ -411,7 +405,11 @@ class FirstBatchCheck:
     if self.loss_func in MEANS_OVER_ELEMENTS and not self.has_metrics and not self.weighted \
         and self.reduction == 'mean':
       return None  # a mean over every element is a mean over samples: nothing to check (see the module)
-    return functools.partial(self._start, shared_args, inputs, targets, plan)
+    start = functools.partial(self._start, shared_args, inputs, targets, plan)
+    if self.has_metrics:  # how undeclared metrics combine shapes the train step: found before it is traced
+      finish = start()
+      return lambda: finish
+    return start
 
   def _plan(self, batch_size: int, inputs, targets, before_planning: bool, streamed: bool
             ) -> Optional[MicroBatchPlan]:
@@ -434,6 +432,7 @@ class FirstBatchCheck:
       finish = check_first_batch(self.model, shared_args, inputs, targets, check_batch=self.parts.check_batch,
                                  plan=plan, forward=self.parts.forward, loss_of=self.parts.loss_of,
                                  weigh=self.parts.weigh, variables=variables, jit=self.jit,
-                                 reduction=self.reduction, declared=self.declared, has_metrics=self.has_metrics)
+                                 reduction=self.reduction, declared=self.declared, has_metrics=self.has_metrics,
+                                 use_found=self.parts.use_found)
     self._running = finish  # the planner waits for it before timing trial steps
     return finish

@@ -42,10 +42,10 @@ def test_each_micro_batch_draws_fresh_random_numbers():
   trainer = AccumBPTT(model, recording_loss, num_micro_batch=3, progress_bar=False)
   x = np.ones((6, 4, 3), 'float32')  # every sample identical: only the noise tells them apart
   trainer.fit([(x, np.zeros((6, 4, 2), 'float32'))], num_epoch=1)
-  # The first batch's loss check records first: at each of its two random points, the 3 micro-batch losses
-  # and the whole batch's: 8 calls, 2 of them on the whole batch. Then the train step's 3.
-  assert len(seen) == 11
-  assert sorted(s.shape for s in seen[:8]) == [(2, 4, 2)] * 6 + [(6, 4, 2)] * 2
+  # The first batch's loss check records first: at each of its three random points, the 3 micro-batch losses
+  # and the whole batch's: 12 calls, 3 of them on the whole batch. Then the train step's 3.
+  assert len(seen) == 15
+  assert sorted(s.shape for s in seen[:12]) == [(2, 4, 2)] * 9 + [(6, 4, 2)] * 3
   step = seen[-3:]
   assert all(s.shape == (2, 4, 2) for s in step)
   for i in range(3):

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from brainpy_accum import AccumBPTT
-from brainpy_accum.trainer._coupled_loss import MEANS_OVER_ELEMENTS
+from brainpy_accum import AccumBPTT, plan_micro_batches
+from brainpy_accum.trainer._coupled_loss import MEANS_OVER_ELEMENTS, conclude
+from brainpy_accum.trainer._random_outputs import CheckNames, loss_at_random_outputs
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
 SIZES = (10, 7)
@@ -168,3 +169,134 @@ def test_check_traced_beside_the_first_step_warns_even_when_a_later_batch_fails(
     trainer.fit([(x, y), bad], num_epoch=1)
   assert len(_coupled(record)) == 1
   assert not [t for t in threading.enumerate() if 'first-batch check' in t.name]
+
+
+# ---------------------------------------------------------------- couplings through batch statistics (issue 39)
+
+def voltage_regularised(coefficient):
+  """Cross entropy of the last step plus ``coefficient * (mean of the monitored voltage over time, batch and
+  neurons) ** 2``: the membrane regulariser of a course's spiking working-memory network, which couples the
+  samples through the batch-wide mean however small its coefficient."""
+  def loss(predicts, labels):
+    out, mons = predicts
+    return bp.losses.cross_entropy_loss(out[:, -1], labels) + coefficient * bm.mean(mons['V']) ** 2
+  return loss
+
+
+def per_sample_voltage_regularised(predicts, labels):
+  """The same regulariser per sample (each sample's mean voltage squared, then the mean over samples)."""
+  out, mons = predicts
+  return bp.losses.cross_entropy_loss(out[:, -1], labels) + 1e-3 * bm.mean(bm.mean(mons['V'], axis=(1, 2)) ** 2)
+
+
+def _labelled(sizes, num_time=20):
+  """Batches whose targets are class labels (the last step's larger target)."""
+  return [(x, np.argmax(y[:, -1], -1).astype('int32')) for x, y in make_batches(sizes, num_time=num_time)]
+
+
+@pytest.mark.parametrize('loss, coupled', [(voltage_regularised(1e-3), True), (per_sample_voltage_regularised, False)],
+                         ids=['batch_mean', 'per_sample'])
+def test_regulariser_of_a_monitored_voltage_warns_only_when_batch_wide(loss, coupled):
+  """The issue's case on the spiking model, voltage monitored as bp.BPTT monitors it: at i.i.d. random outputs
+  every micro-batch's mean voltage is the batch's to a fraction of a percent, so the coupling (1e-3 x their
+  spread) hid under the tolerance; with each micro-batch at a level of its own it shows, in value and in the
+  gradient with respect to the voltage. The same regulariser taken per sample stays silent."""
+  net = make_model('snn')
+  trainer = AccumBPTT(net, loss, num_micro_batch=2, monitors={'V': net.lif.V}, progress_bar=False)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter('always')
+    trainer.fit(_labelled((10,)), num_epoch=1)
+  messages = _coupled(record)
+  assert len(messages) == int(coupled), messages
+  if coupled:
+    assert 'random outputs (each micro-batch at a level of its own)' in messages[0]
+  assert not [w for w in record if 'Could not check' in str(w.message)]
+
+
+def _like(batch, time, n_out=2, n_hidden=8):
+  """Outputs as a spiking model with monitors gives them: a read-out, a voltage and spikes, batch first."""
+  return (jax.ShapeDtypeStruct((batch, time, n_out), jnp.float32),
+          {'V': jax.ShapeDtypeStruct((batch, time, n_hidden), jnp.float32),
+           'spike': jax.ShapeDtypeStruct((batch, time, n_hidden), jnp.bool_)})
+
+
+def _conclude(loss, reduction='mean', weigh=None, num_micro_batch=3, shape=(10, 20, 2, 8)):
+  """The check's evidence on a loss of such outputs (``shape``: batch, time, read-out, neurons; no model), and its
+  warnings."""
+  batch, time = shape[:2]
+  rng = np.random.RandomState(0)
+  x, labels = rng.rand(batch, time, 3).astype('float32'), rng.randint(0, shape[2], batch).astype('int32')
+  plan = plan_micro_batches(batch, num_micro_batch=num_micro_batch)
+  weigh = weigh or (lambda args, n: jnp.asarray(1. if reduction == 'sum' else n, jnp.float32))
+  names = CheckNames()
+  evidence = jax.jit(lambda x, y: loss_at_random_outputs(lambda o, t: (loss(o, t), {}), weigh, (x, y), [0, 0],
+                                                         _like(*shape), [0, 0, 0], plan, reduction, names,
+                                                         has_metrics=False))(x, labels)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter('always')
+    conclude(evidence, names, plan, reduction)
+  return evidence, [str(w.message) for w in record]
+
+
+@pytest.mark.parametrize('coefficient', [pytest.param(1e-1, marks=pytest.mark.long), 1e-4, 1e-9])
+def test_batch_wide_mean_of_a_monitor_warns_whatever_its_coefficient(coefficient):
+  """The gradient with respect to the voltage is all regulariser: on the whole batch it follows the batch's mean,
+  on a micro-batch that micro-batch's, which differ by a share of the gap between levels, whatever the
+  coefficient (down to 1e-9 of a loss near 0.7, far below float32 round-off of the loss's value). Below 1e-1
+  the two i.i.d. points alone do not show the coupling: their values agree within the tolerance."""
+  evidence, messages = _conclude(voltage_regularised(coefficient))
+  assert len(messages) == 1 and 'couples the samples' in messages[0], messages
+  whole, combined = np.asarray(evidence.whole, np.float64), np.asarray(evidence.combined, np.float64)
+  if coefficient < 1e-1:
+    assert np.all(np.abs(whole - combined)[:2] < 1e-5 * np.abs(whole[:2])), (whole, combined)
+    assert 'random outputs (each micro-batch at a level of its own)' in messages[0]
+  if coefficient < 1e-4:
+    assert "its gradient with respect to predicts[1]['V']" in messages[0]
+  gaps = np.asarray(evidence.gaps)
+  assert gaps.shape == (2, 2) and gaps[1, 0] > 0.1 * gaps[1, 1]  # the read-out's, then the voltage's
+
+
+def _per_sample_losses():
+  ce = lambda logits, labels: bp.losses.cross_entropy_loss(logits, labels)
+  spikes = lambda mons: mons['spike'].astype(jnp.float32)
+  return {
+    'ce_last_step': lambda p, y: ce(p[0][:, -1], y),
+    'ce_mean_over_time': lambda p, y: ce(bm.mean(p[0], axis=1), y),
+    'ce_max_over_time': lambda p, y: ce(bm.max(p[0] + spikes(p[1])[..., :p[0].shape[-1]], axis=1), y),  # ties
+    'logsumexp_over_time': lambda p, y: bm.mean(jax.nn.logsumexp(10. * p[0], axis=(1, 2))),
+    'per_sample_voltage': lambda p, y: per_sample_voltage_regularised(p, y),
+    'per_sample_spike_count': lambda p, y: ce(p[0][:, -1], y) + 1e-3 * bm.mean(bm.sum(spikes(p[1]), axis=(1, 2)) ** 2),
+    'log_of_voltage': lambda p, y: -bm.mean(bm.log(p[1]['V'])),  # not finite at 0-or-1: that point is left out
+  }
+
+
+@pytest.mark.parametrize('name', list(_per_sample_losses()))
+def test_per_sample_losses_are_silent_at_every_point(name):
+  """Per-sample losses of many kinds, at outputs whose micro-batches lie at levels of their own too: values and
+  gradients agree to float32 round-off (the gradients within 1e-6 of their largest entry), nothing warns."""
+  evidence, messages = _conclude(_per_sample_losses()[name])
+  assert not messages, messages
+  gaps = np.asarray(evidence.gaps)
+  assert np.all(gaps[:, 0] <= 1e-6 * gaps[:, 1] + 1e-30), gaps
+
+
+@pytest.mark.long
+@pytest.mark.parametrize('num_micro_batch', [2, 7])
+def test_per_sample_losses_are_silent_on_large_batches(num_micro_batch):
+  """The same on batches of 256 samples, 100 steps, 64 classes and neurons, cut in 2 or 7 (uneven): round-off
+  stays far below the tolerances (gradients within 1e-6 of their largest entry, against GRAD_RTOL = 1e-4)."""
+  for name, loss in _per_sample_losses().items():
+    evidence, messages = _conclude(loss, num_micro_batch=num_micro_batch, shape=(256, 100, 64, 64))
+    assert not messages, (name, messages)
+    gaps = np.asarray(evidence.gaps)
+    assert np.all(gaps[:, 0] <= 1e-6 * gaps[:, 1] + 1e-30), (name, gaps)
+
+
+def test_masked_and_summed_losses_are_silent_at_every_point():
+  """A masked mean whose loss_weight_fn counts its valid entries, and a sum with grad_reduction='sum'."""
+  mask = lambda n: (np.arange(20) < 7)[None, :, None] * np.ones((n, 1, 2))
+  masked = lambda p, y: bm.sum((p[0] - 0.5) ** 2 * mask(p[0].shape[0])) / np.sum(mask(p[0].shape[0]))
+  _, messages = _conclude(masked, weigh=lambda args, n: jnp.asarray(n * 7 * 2, jnp.float32))
+  assert not messages, messages
+  _, messages = _conclude(lambda p, y: bm.sum(bm.mean(p[1]['V'] ** 2, axis=(1, 2))), reduction='sum')
+  assert not messages, messages

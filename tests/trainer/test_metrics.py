@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from brainpy_accum import AccumBPTT
+from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.core._metrics import MetricRule, combine_on_host
 from helpers import ATOL, RTOL, make_batches, make_model, params_of, streaming_budget
 
@@ -23,7 +23,8 @@ SIZES = (10, 10)  # uneven splits: 10 = 4 + 4 + 2 at num_micro_batch=3 (bp.BPTT'
 
 
 def metrics_loss(time_first: bool):
-  """MSE and five metrics: per-sample (B,), per-step (B, T) or (T, B), a batch maximum, a count, a mean."""
+  """MSE and six metrics: per-sample (B,), per-step (B, T) or (T, B), a batch maximum and minimum, a count, a
+  mean."""
   sample_axes = (0, 2) if time_first else (1, 2)
 
   def loss_fun(predicts, targets):
@@ -31,21 +32,22 @@ def metrics_loss(time_first: bool):
     return loss, {'per_sample': bm.mean((predicts - targets) ** 2, axis=sample_axes),
                   'per_step': bm.mean(predicts, axis=-1),
                   'max_out': bm.max(predicts),
+                  'min_out': bm.min(predicts),
                   'n_pos': bm.sum(predicts[..., 0] > 0.5),
                   'mean_out': bm.mean(predicts)}
 
   return loss_fun
 
 
-DECLARED = {'max_out': 'max', 'n_pos': 'sum'}
+DECLARED = {'max_out': 'max', 'min_out': 'min', 'n_pos': 'sum'}
 
 
 def fit(trainer_cls, time_first=False, sizes=SIZES, lr=0.05, loss=None, capsys=None, test_size=9, n_in=3, num_time=5,
-        trainers=None, **kwargs):
+        trainers=None, before_fit=None, **kwargs):
   """Train the tiny RNN two epochs (with a test pass); return parameters, history, reports, warnings.
 
   The reports are what ``fun_after_report`` receives, ``(phase, idx, {metric: value})``, and, with ``capsys``,
-  the same parsed from the printed report lines.
+  the same parsed from the printed report lines. ``before_fit(trainer)`` runs after the trainer is built.
   """
   model = make_model('rnn', **({} if n_in == 3 else {'n_in': n_in}))
   reports = []
@@ -58,6 +60,8 @@ def fit(trainer_cls, time_first=False, sizes=SIZES, lr=0.05, loss=None, capsys=N
     trainers.append(trainer)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
+    if before_fit is not None:
+      before_fit(trainer)
     trainer.fit(batches, test_data=test, num_epoch=2,
                 fun_after_report=lambda idx, means, phase: reports.append((phase, idx, dict(means))))
   history = {(phase, which, name): trainer.get_hist_metric(phase, name, which)
@@ -115,11 +119,13 @@ def reference(time_first=False, **kwargs):
 @pytest.mark.parametrize('time_first, options', [
   (False, dict(num_micro_batch=3, aux_reduction=DECLARED)),
   (True, dict(num_micro_batch=3, aux_reduction=DECLARED)),
+  (False, dict(num_micro_batch=3)),
   (False, dict(num_micro_batch=3, whole_batch_loss=True)),
-], ids=['default-B', 'default-T', 'whole_batch_loss'])
+], ids=['default-B', 'default-T', 'found', 'whole_batch_loss'])
 def test_every_metric_equals_bptt(capsys, time_first, options):
-  """Per-sample metrics stitched (uneven splits too), a declared max and count (int32 kept), a mean: the
-  history (shape, dtype, values), the report lines and the parameters equal bp.BPTT's, and nothing warns."""
+  """Per-sample metrics stitched (uneven splits too), a max, a min and a count (int32 kept), declared or found
+  by the first-batch check, a mean: the history (shape, dtype, values; the first batch's too), the report lines
+  and the parameters equal bp.BPTT's, and nothing warns."""
   expected_params, expected, expected_reports, _ = reference(time_first)
   capsys.readouterr()
   params, history, (reports, lines), caught = fit(AccumBPTT, time_first, capsys=capsys, **options)
@@ -134,12 +140,14 @@ def test_every_metric_equals_bptt(capsys, time_first, options):
   assert not [c for c in caught if 'metric' in c or 'couples' in c], caught
 
 
-def test_window_records_bptt_metrics():
+@pytest.mark.parametrize('declared', [DECLARED, None], ids=['declared', 'found'])
+def test_window_records_bptt_metrics(declared):
   """With a learning rate of 0 every batch is evaluated at the same parameters, so the metrics of the batches
-  of an ``accumulate_steps`` window equal bp.BPTT's batch by batch."""
+  of an ``accumulate_steps`` window equal bp.BPTT's batch by batch, their reductions declared or found."""
   _, expected, _, _ = reference(lr=0.)
-  _, windowed, _, _ = fit(AccumBPTT, lr=0., num_micro_batch=3, accumulate_steps=2, aux_reduction=DECLARED)
+  _, windowed, _, caught = fit(AccumBPTT, lr=0., num_micro_batch=3, accumulate_steps=2, aux_reduction=declared)
   assert_same_history(windowed, expected)
+  assert not [c for c in caught if 'metric' in c], caught
 
 
 def test_per_sample_metrics_of_batches_of_different_sizes_are_kept():
@@ -199,10 +207,12 @@ def test_history_of_different_shapes_survives_a_checkpoint():
 
 
 @pytest.mark.long
-def test_streamed_chunks_record_bptt_metrics():
+@pytest.mark.parametrize('declared', [DECLARED, None], ids=['declared', 'found'])
+def test_streamed_chunks_record_bptt_metrics(declared):
   """Batches streamed from the host in chunks (no step that holds a whole batch fits the budget): the metrics
   combine chunk by chunk on the host, by the same rules, and equal bp.BPTT's batch by batch (learning rate 0, as
-  above)."""
+  above). Found: the check runs on the first chunk, after planning compiled its step, which is then traced
+  again."""
   shape = dict(n_in=64, num_time=100)
   _, expected, _, _ = reference(lr=0., **shape)
   probe = AccumBPTT(make_model('rnn', n_in=64), metrics_loss(False), loss_has_aux=True, aux_reduction=DECLARED,
@@ -210,10 +220,11 @@ def test_streamed_chunks_record_bptt_metrics():
   # the test batch of 9, the smallest: XLA's bytes on this device of its whole step, and of a chunk of one
   budget = streaming_budget([probe], make_batches((9,), seed=1, **shape), chunk=1)
   trainers = []
-  _, streamed, _, _ = fit(AccumBPTT, lr=0., num_micro_batch='auto', memory_budget=budget, aux_reduction=DECLARED,
-                          trainers=trainers, **shape)
+  _, streamed, _, caught = fit(AccumBPTT, lr=0., num_micro_batch='auto', memory_budget=budget,
+                               aux_reduction=declared, trainers=trainers, **shape)
   assert set(trainers[0].stream_chunks) == {10, 9}
   assert_same_history(streamed, expected)
+  assert not [c for c in caught if 'metric' in c], caught
 
 
 def test_chunks_combine_by_rule():
@@ -228,19 +239,73 @@ def test_chunks_combine_by_rule():
   assert out['d'] == 7.
 
 
-def test_first_batch_metric_check_warns_on_max_and_count_only():
-  """Undeclared, the max and the count are not their micro-batch means: one warning each, naming the metric,
-  both values and aux_reduction; the means and per-sample metrics stay silent. The run equals a declared one
-  in parameters (the check changes nothing)."""
-  declared_params, _, _, declared_caught = fit(AccumBPTT, num_micro_batch=3, aux_reduction=DECLARED)
-  params, history, _, caught = fit(AccumBPTT, num_micro_batch=3)
-  warned = [c for c in caught if c.startswith('The metric')]
-  assert len(warned) == 2, caught
-  assert "metrics['max_out']" in warned[0] + warned[1] and "metrics['n_pos']" in warned[0] + warned[1]
-  assert all('aux_reduction' in w and 'on the whole first batch' in w for w in warned)
-  assert not [c for c in declared_caught if c.startswith('The metric')]
-  for p, e in zip(params, declared_params):
-    np.testing.assert_array_equal(p, e)
+def _budget_for_two_micro_batches(batch):
+  """A memory budget between the train steps of micro-batches of 5 and of 10 samples (measured, not assumed):
+  'auto' plans a batch of 10 as two micro-batches of 5."""
+  x, y = batch
+  probe = AccumBPTT(make_model('rnn'), metrics_loss(False), loss_has_aux=True, num_micro_batch='auto',
+                    memory_budget='1GiB', aux_reduction=DECLARED, cache=False)
+  probe.target.reset(len(x))
+  need = [probe.compiled_step_bytes(plan_micro_batches(10, micro_batch_size=n), {}, x, y) for n in (5, 10)]
+  assert need[0] < need[1], need
+  return (need[0] + need[1]) // 2
+
+
+@pytest.mark.parametrize('planned', ['in_fit', pytest.param('before_fit', marks=pytest.mark.long),
+                                     pytest.param('cached', marks=pytest.mark.long)])
+def test_found_reductions_with_auto_plans_equal_bptt(planned, tmp_path):
+  """num_micro_batch='auto': the check finds the max, min and count before the planner compiles the step that
+  training runs (``in_fit``), or before the first step where the plan comes from the plan cache (``cached``:
+  nothing to search); where the batch was planned (its step compiled and kept) before fit, the step is traced
+  again with what it found. Either way the history equals bp.BPTT's, dtypes too, and nothing warns."""
+  _, expected, _, _ = reference()
+  budget = _budget_for_two_micro_batches(make_batches(SIZES)[0])
+  cache = tmp_path if planned == 'cached' else False
+  if planned == 'cached':  # a first run leaves its plan in the cache
+    fit(AccumBPTT, num_micro_batch='auto', memory_budget=budget, cache=cache)
+
+  def plan_first(trainer):
+    if planned == 'before_fit':
+      x, y = make_batches(SIZES)[0]
+      trainer.target.reset(len(x))
+      trainer.plan_memory(x, y)
+
+  trainers = []
+  _, history, _, caught = fit(AccumBPTT, num_micro_batch='auto', memory_budget=budget, trainers=trainers,
+                              before_fit=plan_first, cache=cache)
+  assert trainers[0].num_micro_batch_for(10) == 2
+  assert_same_history(history, expected)
+  assert not [c for c in caught if 'metric' in c], caught
+
+
+def test_metrics_whose_reduction_cannot_be_found_warn_and_a_declared_one_wins():
+  """Undeclared: a spread (no combination of its micro-batch values gives it) and a constant (a mean, a max and a
+  min all do) each warn, naming aux_reduction, and combine as means; the count is found silently. Declared
+  'mean' for the maximum wins over what the check would find: it combines as a mean (below bp.BPTT's maximum)
+  and warns as before."""
+  def loss(predicts, targets):
+    return bp.losses.mean_squared_error(predicts, targets), {
+      'spread': bm.std(predicts), 'constant': jnp.float32(2.), 'max_out': bm.max(predicts),
+      'n_pos': bm.sum(predicts[..., 0] > 0.5)}
+
+  batches = make_batches((10,))
+  reference_trainer = bp.BPTT(make_model('rnn'), loss, loss_has_aux=True, progress_bar=False)
+  reference_trainer.fit(batches, num_epoch=1)
+  trainer = AccumBPTT(make_model('rnn'), loss, loss_has_aux=True, num_micro_batch=3, aux_reduction={'max_out': 'mean'},
+                      progress_bar=False)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    trainer.fit(batches, num_epoch=1)
+  warned = {name: str(w.message) for w in caught for name in ('spread', 'constant', 'max_out', 'n_pos')
+            if str(w.message).startswith(f"The metric metrics['{name}']")}
+  assert set(warned) == {'spread', 'constant', 'max_out'}, [str(w.message) for w in caught]
+  assert "aux_reduction={'spread': ...}" in warned['spread'] and 'no combination' in warned['spread']
+  assert 'mean, max, min' in warned['constant'] and "aux_reduction={'constant': ...}" in warned['constant']
+  got = lambda name: trainer.get_hist_metric('fit', name, 'detailed')
+  want = lambda name: reference_trainer.get_hist_metric('fit', name, 'detailed')
+  assert got('n_pos').dtype == np.int32 and np.array_equal(got('n_pos'), want('n_pos'))
+  np.testing.assert_allclose(got('constant'), want('constant'))
+  assert got('max_out')[0] < want('max_out')[0] - 1e-3  # the mean of the micro-batches' maxima
 
 
 @pytest.mark.parametrize('aux_reduction, error, message', [

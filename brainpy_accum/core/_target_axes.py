@@ -16,9 +16,9 @@ import jax
 import numpy as np
 from brainpy import tools
 
-from ..core._batch import ambiguous_targets_error, describe_leaf, is_array
-from ..core._shapes import first_samples, traced_shapes
-from ..core._states import batched_variables, declared_batch_axes
+from ._batch import ambiguous_targets_error, describe_leaf, is_array
+from ._shapes import first_samples, traced_shapes
+from ._states import batched_variables, declared_batch_axes
 
 __all__ = ['TargetAxes', 'decide_target_axes', 'evidence_sizes']
 

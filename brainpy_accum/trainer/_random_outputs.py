@@ -1,0 +1,258 @@
+"""What the default mode's first-batch check computes: ``loss_fun`` and its metrics at random outputs.
+
+The check (:mod:`~brainpy_accum.trainer._coupled_loss`) needs, at each of :data:`POINTS`, the loss of the whole
+batch and the combination of its micro-batch losses, at random outputs in place of the model's (i.i.d.
+values, 0-or-1 values like spikes, and each micro-batch at a level of its own, :data:`LEVELS`, where batch-wide
+means and norms differ between micro-batches); at :data:`LEVELS` the gradients of both with respect to the
+outputs; and every scalar metric, combined as declared or by each candidate reduction. This module computes
+all of it as one traced function (:func:`loss_at_random_outputs`, an :class:`Evidence`); the check compiles,
+runs and reads it.
+"""
+
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+
+import brainpy.math as bm
+import brainstate
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core._accumulate import MicroResult, accumulate
+from ..core._batch import is_array
+from ..core._combine import finish_values
+from ..core._cut import MicroBatchPlan
+from ..core._metrics import (AUX_REDUCTIONS, MetricPlan, default_reduction, finish_metrics, metric_name,
+                             plan_from_shapes, undeclared_leaves, with_candidates)
+from ..core._shapes import first_samples
+from ..core._two_pass import second_sizes, traced_shapes
+
+__all__ = ['CheckNames', 'Evidence', 'LEVELS', 'POINTS', 'loss_at_random_outputs', 'random_outputs']
+
+
+# Where the loss is evaluated in place of the model's outputs: (name in the warning, how each leaf is drawn).
+POINTS = ('uniform in [0.1, 0.9)', '0 or 1, like spikes', 'each micro-batch at a level of its own')
+LEVELS = 2  # the point whose micro-batches differ; the gradients with respect to the outputs are compared there
+
+
+def random_outputs(like, point: int, axes: Optional[Sequence[Optional[int]]] = None,
+                   micro_batch_size: Optional[int] = None):
+  """Values for the output shapes ``like`` (a tree of ``jax.ShapeDtypeStruct``, the whole batch's) at one of
+  :data:`POINTS`: floating leaves in [0.1, 0.9) at point 0 (inside every probability's and logarithm's domain)
+  and 0 or 1 at point 1 (spikes); integer and boolean leaves 0 or 1 at both. At point 2 (:data:`LEVELS`) the
+  samples of each micro-batch (``micro_batch_size`` samples on each leaf's batch axis in ``axes``) lie at a
+  level of their own: the ``k``-th of ``M`` micro-batches in [0.1 + 0.8 k / M, 0.1 + 0.8 (k + 1/2) / M) (integer
+  and boolean leaves: 1 with probability (k + 1) / (M + 1)), so that batch-wide means, variances and norms of
+  the micro-batches differ from one another and from the whole batch's; leaves without a batch axis as at 0.
+
+  Each value comes from a fixed integer hash of the element's position, its leaf and the point: values that
+  vary from element to element with no pattern a loss could line up with, from a few integer operations (JAX's
+  random generator would cost the check's compilation more than the loss itself does).
+
+  >>> import jax, jax.numpy as jnp
+  >>> like = jax.ShapeDtypeStruct((4, 3), jnp.float32)  # 4 samples on axis 0, in micro-batches of 2
+  >>> levels = random_outputs(like, LEVELS, axes=[0], micro_batch_size=2)
+  >>> bool((levels[:2] < 0.3).all()), bool((levels[2:] >= 0.5).all() and (levels[2:] < 0.7).all())
+  (True, True)
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(like)
+  axes = [None] * len(leaves) if axes is None else list(axes)
+  return treedef.unflatten([_hashed(x, i, point, a, micro_batch_size) for i, (x, a) in enumerate(zip(leaves, axes))])
+
+
+def _hashed(like, leaf: int, point: int, axis: Optional[int] = None, micro_batch_size: Optional[int] = None):
+  """Leaf number ``leaf``'s values at ``point`` (see :func:`random_outputs`), from a 32-bit integer hash of each
+  element's index."""
+  size = int(np.prod(like.shape, dtype=np.int64))
+  seed = 2 * leaf + (point if point < LEVELS else 0)  # the levels point spreads point 0's draws
+  bits = jax.lax.iota(jnp.uint32, size) + jnp.uint32((seed + 1) * 0x9E3779B9 % 2 ** 32)
+  for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):  # a well-mixing 32-bit hash (two rounds)
+    bits = (bits ^ (bits >> shift)) * jnp.uint32(factor)
+  bits = bits ^ (bits >> 16)
+  uniform = ((bits >> 8).astype(jnp.float32) * (1. / 2 ** 24)).reshape(like.shape)  # in [0, 1)
+  floating = jnp.issubdtype(like.dtype, jnp.floating)
+  if point == LEVELS and axis is not None:
+    count = -(-like.shape[axis] // micro_batch_size)  # micro-batches
+    k = (jax.lax.broadcasted_iota(jnp.int32, like.shape, axis) // micro_batch_size).astype(jnp.float32)
+    value = 0.1 + 0.8 * (k + 0.5 * uniform) / count if floating else (uniform < (k + 1.) / (count + 1.))
+  elif floating and point != 1:
+    value = 0.1 + 0.8 * uniform
+  else:
+    value = uniform < 0.5
+  return jnp.asarray(value, jnp.float32).astype(like.dtype)
+
+
+class Evidence(NamedTuple):
+  """What the check computes, at each of :data:`POINTS`: the loss, its metrics, their combinations."""
+  whole: Any        # (points,) float32: the loss of the whole batch
+  combined: Any     # (points,): the combination of the micro-batch losses (weighted mean; 'sum': sum)
+  magnitude: Any    # (points,): that combination of their absolute values, the scale of its round-off
+  gaps: Any         # (floating output leaves, 2), at LEVELS: the largest difference of the gradients of the two
+  #                   with respect to the leaf, and the largest entry of either; None where JAX cannot take them
+  metrics: Any      # at point 0, (whole, combined): the declared scalar metrics, two lists
+  undecided: Any    # at each point, (whole, candidates): each undeclared scalar metric, and its combination by
+  #                   each of AUX_REDUCTIONS
+
+
+def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes, outputs_like, out_axes,
+                           plan: MicroBatchPlan, reduction: str, names=None, declared=None,
+                           has_metrics: bool = True) -> Evidence:
+  """The :class:`Evidence` of the loss and its metrics at each of :data:`POINTS`: the loss of the whole batch
+  and the combination (weighted mean, ``'sum'``: sum) of the micro-batch losses, with random outputs shaped
+  ``outputs_like`` (the whole batch's; batch axes ``out_axes``) in place of the model's and the batch's own
+  ``args`` (``(inputs, targets)``, batch axes ``axes``); at :data:`LEVELS` their gradients with respect to the
+  outputs too. Scalar metrics: those ``declared`` (the ``aux_reduction``) combined as declared, the others by
+  each of :data:`AUX_REDUCTIONS`, exactly as a train step would combine them. ``names``, if given, receives
+  the metrics' and the outputs' paths; ``has_metrics=False``: the loss has none (not traced for their shapes).
+  Only ``loss_fun`` runs: no model, nothing to restore. The micro-batches of every point are evaluated in one
+  scan of the engine (one program to compile, whatever the number of points).
+  """
+  names = CheckNames() if names is None else names
+  declared = declared or {}
+  points = [random_outputs(outputs_like, point, out_axes, plan.micro_batch_size) for point in range(len(POINTS))]
+
+  # the whole batch at every point (at LEVELS with the gradients: they show a coupling however small its share)
+  whole_of = lambda outputs: loss_of(outputs, args[1])  # one evaluation gives the loss and the metrics
+  wholes = [whole_of(outputs) + (None,) if point != LEVELS else _with_gradients(whole_of, outputs)
+            for point, outputs in enumerate(points)]
+  whole_grads = wholes[LEVELS][2]
+  names.leaves[:] = _floating_paths(points[LEVELS])
+
+  # how the metrics combine: declared ones as declared, undeclared ones by every candidate, and |loss| like the loss
+  sizes = second_sizes(plan)
+  small, large = traced_shapes(lambda micro_args, size: micro_args[2], tuple(args) + (points[0],),
+                               list(axes) + list(out_axes), [], sizes)
+  metric_plan, paths = _metric_plan(loss_of if has_metrics else None, args, axes, declared, reduction, plan.batch_size,
+                              small, large, sizes)
+  undecided = undeclared_leaves(paths, metric_plan.rules, declared)
+  names.metrics[:] = [(jax.tree_util.keystr(paths[i]), metric_name(paths[i]), rule.reduction)
+                      for i, rule in enumerate(metric_plan.rules) if rule.axis is None and i not in undecided]
+  names.undecided[:] = [(jax.tree_util.keystr(paths[i]), metric_name(paths[i])) for i in undecided]
+  one = with_candidates(metric_plan, undecided, extra=[default_reduction(reduction)])  # the metrics of one point
+  metrics = one._replace(rules=one.rules * len(POINTS), stitched_like=one.stitched_like * len(POINTS))
+
+  def micro_loss(micro_args, outputs):  # the loss, its metrics, each undecided one per candidate, |loss|
+    loss, aux = loss_of(outputs, micro_args[1])
+    leaves = jax.tree_util.tree_leaves(aux)
+    return loss, (aux, [[leaves[i]] * len(AUX_REDUCTIONS) for i in undecided],
+                  jnp.abs(bm.as_jax(loss)).astype(jnp.float32))
+
+  # the micro-batches: at LEVELS each micro-batch's loss is differentiated with respect to its slice of the
+  # outputs (the gradient of the combination: every slice's weighted gradient in its place, the weighted sum
+  # for outputs without a batch axis), cheaper to compile than the gradient of the scan
+  leaves, floating = jax.tree_util.tree_leaves(points[LEVELS]), _floating_leaves(points[LEVELS])
+  cut = [out_axes[i] is not None for i in floating]  # whether each floating leaf has a batch axis
+  split = lambda items, batch: [x for x, c in zip(items, cut) if c == batch]
+  with_grads = whole_grads is not None
+
+  def micro_fn(micro_args, size):
+    weight = weigh(micro_args[:2], size)
+    losses, auxs, grads = [], [], None
+    for point in range(len(POINTS)):
+      at = lambda outputs: micro_loss(micro_args, outputs)
+      if point == LEVELS and with_grads:
+        loss, aux, grads = _with_gradients(at, micro_args[2 + point], required=True)
+      else:
+        loss, aux = at(micro_args[2 + point])
+      losses.append(bm.as_jax(loss).astype(jnp.float32))
+      auxs.append(aux)
+    if grads is None:
+      return MicroResult(None, jnp.stack(losses), auxs, weight)
+    return MicroResult(split(grads, False), jnp.stack(losses), auxs, weight, [g * weight for g in split(grads, True)])
+
+  like = [leaves[i] for i in floating]  # gradients: summed where whole, stitched on the batch axis where cut
+  sums = accumulate(micro_fn, tuple(args) + tuple(points), list(axes) + list(out_axes) * len(POINTS), plan, [],
+                    split(like, False) if with_grads else None, split(like, True) if with_grads else None,
+                    split([out_axes[i] for i in floating], True) if with_grads else None, metrics)
+  finished = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count, metrics.mean_by_weight)
+  gaps = None
+  if with_grads:
+    summed, stitched = iter(sums.grad_sum), iter(sums.samples)
+    combined_grads = [next(stitched) if c else next(summed) for c in cut]
+    gaps = _gaps(whole_grads, finish_values(combined_grads, sums.total_weight, reduction))
+
+  compared = [i for i, rule in enumerate(metric_plan.rules) if rule.axis is None and i not in undecided]
+  whole_metrics = [jax.tree_util.tree_leaves(aux) for _, aux, _ in wholes]
+  return Evidence(whole=jnp.stack([bm.as_jax(loss).astype(jnp.float32) for loss, _, _ in wholes]),
+                  combined=finish_values(sums.loss_sum, sums.total_weight, reduction),
+                  magnitude=jnp.stack([magnitude for _, _, magnitude in finished]),
+                  gaps=gaps,
+                  metrics=([whole_metrics[0][i] for i in compared],
+                           [jax.tree_util.tree_leaves(finished[0][0])[i] for i in compared]),
+                  undecided=[([values[i] for i in undecided], copies)
+                             for values, (_, copies, _) in zip(whole_metrics, finished)])
+
+
+def _floating_leaves(outputs) -> List[int]:
+  return [i for i, x in enumerate(jax.tree_util.tree_leaves(outputs)) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def _floating_paths(outputs) -> List[str]:
+  """The paths of the floating leaves of ``outputs`` as ``loss_fun`` receives them (``predicts[1]['V']``)."""
+  paths = jax.tree_util.tree_flatten_with_path(outputs)[0]
+  return [f'predicts{jax.tree_util.keystr(paths[i][0])}' for i in _floating_leaves(outputs)]
+
+
+def _with_gradients(value_of: Callable, outputs, required: bool = False):
+  """``(loss, rest, grads)`` of ``value_of(outputs) -> (loss, rest)``: ``grads`` with respect to the floating leaves
+  of ``outputs`` (a list), or ``None`` where JAX cannot take them (a host callback without a derivative, a loss
+  that is not a scalar): then only the value, and the check compares values alone (``required``: raise)."""
+  leaves, treedef = jax.tree_util.tree_flatten(outputs)
+  floating = _floating_leaves(outputs)
+
+  def of(chosen):
+    full = list(leaves)
+    for i, x in zip(floating, chosen):
+      full[i] = x
+    loss, rest = value_of(treedef.unflatten(full))
+    loss = bm.as_jax(loss).astype(jnp.float32)
+    return loss, (loss, rest)
+
+  try:  # brainstate's grad: a loss that writes a Variable or draws random numbers is differentiated as it is
+    grads, (loss, rest) = brainstate.transform.grad(of, argnums=0, has_aux=True)([leaves[i] for i in floating])
+  except Exception:
+    if required:
+      raise
+    loss, rest = value_of(outputs)
+    return loss, rest, None
+  return loss, rest, grads
+
+
+def _gaps(whole, combined):
+  """``(leaves, 2)``: for each pair of gradients, the largest difference of their entries and the largest entry
+  of either, over the entries where both are finite."""
+  rows = []
+  for a, b in zip(whole, combined):
+    a, b = bm.as_jax(a).astype(jnp.float32), bm.as_jax(b).astype(jnp.float32)
+    finite = jnp.isfinite(a) & jnp.isfinite(b)
+    difference = jnp.max(jnp.where(finite, jnp.abs(a - b), 0.), initial=0.)
+    scale = jnp.max(jnp.where(finite, jnp.maximum(jnp.abs(a), jnp.abs(b)), 0.), initial=0.)
+    rows.append(jnp.stack([difference, scale]))
+  return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.float32)
+
+
+def _metric_plan(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,
+                 large, sizes) -> Tuple[MetricPlan, list]:
+  """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``, and the
+  paths of their leaves: the loss alone is traced (brainstate's ``eval_shape``: a loss that draws random numbers
+  or writes a Variable leaves them as they were, with or without jit), not the model; ``loss_of=None``: a loss
+  without metrics."""
+  if loss_of is None:
+    return plan_from_shapes({}, {}, sizes, declared, reduction, batch_size), []
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+
+  def metrics_at(outputs, n):
+    micro_args = treedef.unflatten([x if a is None else first_samples(x, a, n) for x, a in zip(leaves, axes)])
+    return brainstate.transform.eval_shape(lambda o, t: loss_of(o, t)[1], outputs, micro_args[1])
+
+  shapes = metrics_at(small, sizes[0])
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+  return plan_from_shapes(shapes, metrics_at(large, sizes[1]), sizes, declared, reduction, batch_size), paths
+
+
+class CheckNames:
+  """Lists to fill while tracing, hashable by identity, so that ``jit`` can take them as a static argument:
+  the declared scalar metrics ``(path, name, reduction)``, the undeclared ones ``(path, name)`` and the paths of
+  the floating outputs (``predicts[...]``)."""
+
+  def __init__(self):
+    self.metrics, self.undecided, self.leaves = [], [], []

@@ -1,0 +1,141 @@
+"""The package's shape, measured: a thin trainer, short functions, folders of a readable size, no reaching in.
+
+Run as a script (``python tests/test_architecture.py``) it prints the figures; as tests they must hold. Lines of
+code are counted as the source lines of a class or function, docstrings aside (blank lines and comments count).
+"""
+
+import ast
+import pathlib
+import sys
+from typing import Dict, Iterator, List, Set, Tuple
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'brainpy_accum'
+MAX_CLASS_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_PUBLIC_NAMES, MAX_MODULES = 350, 600, 45, 12, 12
+# what NamedTuples offer as their public API, despite the underscore
+NAMED_TUPLE_API = {'_replace', '_asdict', '_fields', '_make'}
+
+
+def _modules() -> Iterator[Tuple[pathlib.Path, ast.Module]]:
+  for path in sorted(PACKAGE.rglob('*.py')):
+    yield path, ast.parse(path.read_text())
+
+
+def _docstring_lines(tree: ast.AST) -> Set[int]:
+  lines = set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+      first = node.body[0]
+      if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        lines.update(range(first.lineno, first.end_lineno + 1))
+  return lines
+
+
+def _code_lines(node: ast.AST, docstrings: Set[int]) -> int:
+  return sum(1 for line in range(node.lineno, node.end_lineno + 1) if line not in docstrings)
+
+
+def trainer_class_lines() -> Dict[str, int]:
+  """Lines of code of AccumBPTT and of every base class the package defines."""
+  import brainpy_accum
+  counts = {}
+  for cls in brainpy_accum.AccumBPTT.__mro__:
+    if cls.__module__.startswith('brainpy_accum'):
+      path = pathlib.Path(sys.modules[cls.__module__].__file__)
+      tree = ast.parse(path.read_text())
+      node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+      counts[cls.__name__] = _code_lines(node, _docstring_lines(tree))
+  return counts
+
+
+def trainer_module_lines() -> int:
+  return len((PACKAGE / 'trainer' / '_accum_bptt.py').read_text().splitlines())
+
+
+def long_functions() -> List[Tuple[int, str]]:
+  """``(lines, 'module:function')`` of every function longer than the limit, docstrings aside."""
+  found = []
+  for path, tree in _modules():
+    docstrings = _docstring_lines(tree)
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines = _code_lines(node, docstrings)
+        if lines > MAX_FUNCTION_LINES:
+          found.append((lines, f'{path.relative_to(PACKAGE.parent)}:{node.name}'))
+  return sorted(found, reverse=True)
+
+
+def public_names_beyond_bptt() -> List[str]:
+  import brainpy as bp
+  import brainpy_accum
+  return sorted(n for n in set(dir(brainpy_accum.AccumBPTT)) - set(dir(bp.BPTT)) if not n.startswith('_'))
+
+
+def modules_per_folder() -> Dict[str, int]:
+  """Modules of each folder of the package, ``__init__.py`` aside."""
+  return {str(folder.relative_to(PACKAGE.parent)): len([p for p in folder.glob('*.py') if p.name != '__init__.py'])
+          for folder in [PACKAGE, *sorted(p for p in PACKAGE.iterdir() if p.is_dir() and p.name != '__pycache__')]}
+
+
+def _root(node: ast.AST) -> ast.AST:
+  while isinstance(node, ast.Attribute):
+    node = node.value
+  return node
+
+
+def private_reads() -> List[str]:
+  """``x._name`` where ``x`` is neither ``self``/``cls`` nor a module (or an attribute of one, a library's own
+  state): a reach into another object's privates."""
+  found = []
+  for path, tree in _modules():
+    imported = {(alias.asname or alias.name).split('.')[0] for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    for node in ast.walk(tree):
+      if (isinstance(node, ast.Attribute) and node.attr.startswith('_') and not node.attr.startswith('__')
+          and node.attr not in NAMED_TUPLE_API):
+        owner, root = node.value, _root(node.value)
+        if isinstance(owner, ast.Name) and owner.id in ('self', 'cls'):
+          continue
+        if isinstance(root, ast.Name) and root.id in imported and root.id not in ('self', 'cls'):
+          continue
+        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == 'super':
+          continue  # a method of the base class the subclass overrides
+        found.append(f'{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}')
+  return found
+
+
+def test_trainer_class_is_thin():
+  counts = trainer_class_lines()
+  assert set(counts) == {'AccumBPTT'}, f'no base classes of the package (mixins): {counts}'
+  assert sum(counts.values()) <= MAX_CLASS_LINES, counts
+
+
+def test_trainer_module_is_readable_in_one_sitting():
+  assert trainer_module_lines() <= MAX_MODULE_LINES
+
+
+def test_no_function_is_long():
+  assert long_functions() == []
+
+
+def test_trainer_adds_few_public_names_to_bptt():
+  names = public_names_beyond_bptt()
+  assert len(names) <= MAX_PUBLIC_NAMES, names
+
+
+def test_no_folder_is_crowded():
+  crowded = {folder: count for folder, count in modules_per_folder().items() if count > MAX_MODULES}
+  assert crowded == {}
+
+
+def test_nothing_reads_another_objects_privates():
+  assert private_reads() == []
+
+
+if __name__ == '__main__':
+  print('AccumBPTT class lines (docstrings aside):', trainer_class_lines(), f'(<= {MAX_CLASS_LINES})')
+  print('trainer module lines:', trainer_module_lines(), f'(<= {MAX_MODULE_LINES})')
+  print(f'functions over {MAX_FUNCTION_LINES} lines:', long_functions())
+  names = public_names_beyond_bptt()
+  print(f'public names beyond bp.BPTT: {len(names)} (<= {MAX_PUBLIC_NAMES})', names)
+  print('modules per folder:', modules_per_folder(), f'(<= {MAX_MODULES})')
+  print('reads of another object\'s privates:', private_reads())
