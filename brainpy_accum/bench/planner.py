@@ -15,7 +15,7 @@ from typing import Dict, Optional, Sequence
 import brainpy as bp
 
 from ..core import describe_remat, plan_micro_batches
-from ..memory import compiled_step_bytes, format_memory, time_steps
+from ..memory import format_memory, time_steps
 from ..trainer import AccumBPTT
 from .measure import FIT, LEARNING_RATE
 from .workloads import Shape, make_batch, make_brainpy_model

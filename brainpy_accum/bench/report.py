@@ -9,6 +9,7 @@ Every speed ratio is the median over rounds of the per-round ratio of step times
 medians of separately measured times would carry the machine's drift into the ratio.
 """
 
+import functools
 import statistics
 from typing import Dict, List, Optional, Sequence
 
@@ -238,7 +239,7 @@ def _speed(row: dict, kind: str) -> str:
   return '-' if value is None else f'{value:,.0f}'
 
 
-def _ratio(rows: List[dict], mine: tuple, theirs: tuple) -> Optional[float]:
+def _speed_ratio(rows: List[dict], mine: tuple, theirs: tuple) -> Optional[float]:
   """Median of per-round ratios of samples/s, ``mine = (trainer, kind)`` over ``theirs``, where they were timed
   in the same rounds, else the ratio of medians (NumPy against device batches timed in two phases)."""
   a = next((r for r in rows if r['trainer'] == mine[0]), None)
@@ -278,7 +279,7 @@ def _run_section(facts: dict, run: dict) -> List[str]:
           f"cross-entropy of the last step, Adam; an epoch is {run['epoch']} batches, {run['rounds']} rounds.",
           f"- What `fit` gives the user here, NumPy batches: AccumBPTT \"{fit_gives}\", bp.BPTT \"{WITH_STEP}\" "
           f"(its own loop).",
-          f"- AccumBPTT: `num_micro_batch='auto'`, " + (f"memory_budget={run['budget']!r} (a CPU has no device "
+          "- AccumBPTT: `num_micro_batch='auto'`, " + (f"memory_budget={run['budget']!r} (a CPU has no device "
                                                         f"limit to plan against)" if run['budget'] else
                                                         'no memory_budget (the device\'s own memory)') + '.',
           f"- Peak: a square matmul measured {_fmt_flops(peak['float32'])} in float32 (default precision), "
@@ -309,11 +310,12 @@ def _workload_table(workload: str, rows: List[dict], peak: dict, fit_gives: str)
   out += ['', 'Ratios of samples/s:', '']
   for batch in dict.fromkeys(r['batch'] for r in rows):
     at = [r for r in rows if r['batch'] == batch]
-    cells = [('AccumBPTT sent ahead / with its step', _ratio(at, ('AccumBPTT', AHEAD), ('AccumBPTT', WITH_STEP))),
-             ("AccumBPTT fit's NumPy / its device batches", _ratio(at, ('AccumBPTT', fit_gives), ('AccumBPTT', DEVICE))),
-             ("AccumBPTT fit's NumPy / bp.BPTT's NumPy", _ratio(at, ('AccumBPTT', fit_gives), ('bp.BPTT', WITH_STEP))),
-             ('AccumBPTT / bp.BPTT, device', _ratio(at, ('AccumBPTT', DEVICE), ('bp.BPTT', DEVICE))),
-             ('AccumBPTT / plain JAX, device', _ratio(at, ('AccumBPTT', DEVICE), ('plain JAX + optax', DEVICE)))]
+    ratio = functools.partial(_speed_ratio, at)
+    cells = [('AccumBPTT sent ahead / with its step', ratio(('AccumBPTT', AHEAD), ('AccumBPTT', WITH_STEP))),
+             ("AccumBPTT fit's NumPy / its device batches", ratio(('AccumBPTT', fit_gives), ('AccumBPTT', DEVICE))),
+             ("AccumBPTT fit's NumPy / bp.BPTT's NumPy", ratio(('AccumBPTT', fit_gives), ('bp.BPTT', WITH_STEP))),
+             ('AccumBPTT / bp.BPTT, device', ratio(('AccumBPTT', DEVICE), ('bp.BPTT', DEVICE))),
+             ('AccumBPTT / plain JAX, device', ratio(('AccumBPTT', DEVICE), ('plain JAX + optax', DEVICE)))]
     out.append(f'- B={batch}: ' + '; '.join(f'{name} {value:.2f}' for name, value in cells if value is not None))
   errors = [r for r in rows if r['error'] or r.get('run_error') or r.get('plan_error')]
   if errors:

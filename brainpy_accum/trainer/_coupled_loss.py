@@ -33,6 +33,7 @@ mean, without metrics, ``loss_weight_fn`` or ``grad_reduction='sum'``: a mean ov
 samples, whatever the values.
 """
 
+import functools
 import threading
 import warnings
 from typing import Callable, Dict, NamedTuple, Optional, Sequence

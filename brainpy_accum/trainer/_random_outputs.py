@@ -109,40 +109,62 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   names = CheckNames() if names is None else names
   declared = declared or {}
   points = [random_outputs(outputs_like, point, out_axes, plan.micro_batch_size) for point in range(len(POINTS))]
-
   # the whole batch at every point (at LEVELS with the gradients: they show a coupling however small its share)
   whole_of = lambda outputs: loss_of(outputs, args[1])  # one evaluation gives the loss and the metrics
   wholes = [whole_of(outputs) + (None,) if point != LEVELS else _with_gradients(whole_of, outputs)
             for point, outputs in enumerate(points)]
-  whole_grads = wholes[LEVELS][2]
   names.leaves[:] = _floating_paths(points[LEVELS])
+  metric_plan, undecided, metrics = _point_metrics(loss_of if has_metrics else None, args, axes, points[0], out_axes,
+                                                   plan, declared, reduction, names)
+  with_grads = wholes[LEVELS][2] is not None
+  micro_fn = _micro_fn(loss_of, weigh, undecided, points[LEVELS], out_axes, with_grads)
+  like, cut = _gradients_like(points[LEVELS], out_axes)
+  split = lambda items, batch: [x for x, c in zip(items, cut) if c == batch]
+  sums = accumulate(micro_fn, tuple(args) + tuple(points), list(axes) + list(out_axes) * len(POINTS), plan, [],
+                    split(like, False) if with_grads else None, split(like, True) if with_grads else None,
+                    split([out_axes[i] for i in _floating_leaves(points[LEVELS])], True) if with_grads else None,
+                    metrics)
+  return _evidence(wholes, sums, cut, metric_plan, metrics, undecided, reduction)
 
-  # how the metrics combine: declared ones as declared, undeclared ones by every candidate, and |loss| like the loss
+
+def _point_metrics(loss_of: Optional[Callable], args: tuple, axes, outputs, out_axes, plan: MicroBatchPlan,
+                   declared: dict, reduction: str, names):
+  """How the metrics combine at every point: declared ones as declared, undeclared ones by every candidate, and
+  ``|loss|`` like the loss. ``(metric_plan, undecided, metrics)``: one point's plan, the undeclared scalars'
+  positions, and the plan of all points' metrics together; ``names`` receives their paths."""
   sizes = second_sizes(plan)
-  small, large = traced_shapes(lambda micro_args, size: micro_args[2], tuple(args) + (points[0],),
+  small, large = traced_shapes(lambda micro_args, size: micro_args[2], tuple(args) + (outputs,),
                                list(axes) + list(out_axes), [], sizes)
-  metric_plan, paths = _metric_plan(loss_of if has_metrics else None, args, axes, declared, reduction, plan.batch_size,
-                              small, large, sizes)
+  metric_plan, paths = _metric_plan(loss_of, args, axes, declared, reduction, plan.batch_size, small, large, sizes)
   undecided = undeclared_leaves(paths, metric_plan.rules, declared)
   names.metrics[:] = [(jax.tree_util.keystr(paths[i]), metric_name(paths[i]), rule.reduction)
                       for i, rule in enumerate(metric_plan.rules) if rule.axis is None and i not in undecided]
   names.undecided[:] = [(jax.tree_util.keystr(paths[i]), metric_name(paths[i])) for i in undecided]
   one = with_candidates(metric_plan, undecided, extra=[default_reduction(reduction)])  # the metrics of one point
-  metrics = one._replace(rules=one.rules * len(POINTS), stitched_like=one.stitched_like * len(POINTS))
+  return metric_plan, undecided, one._replace(rules=one.rules * len(POINTS),
+                                              stitched_like=one.stitched_like * len(POINTS))
 
-  def micro_loss(micro_args, outputs):  # the loss, its metrics, each undecided one per candidate, |loss|
+
+def _gradients_like(outputs, out_axes) -> Tuple[list, list]:
+  """The floating output leaves (the gradients' shapes: summed where whole, stitched on the batch axis where
+  cut) and, for each, whether it has a batch axis."""
+  leaves, floating = jax.tree_util.tree_leaves(outputs), _floating_leaves(outputs)
+  return [leaves[i] for i in floating], [out_axes[i] is not None for i in floating]
+
+
+def _micro_fn(loss_of: Callable, weigh: Callable, undecided: list, outputs, out_axes, with_grads: bool) -> Callable:
+  """The engine's ``micro_fn`` of the check: at every point the micro-batch's loss, its metrics (each undecided one
+  per candidate) and ``|loss|``; at LEVELS each micro-batch's loss differentiated with respect to its slice of
+  the outputs (the gradient of the combination: every slice's weighted gradient in its place, the weighted sum
+  for outputs without a batch axis), cheaper to compile than the gradient of the scan."""
+  _, cut = _gradients_like(outputs, out_axes)
+  split = lambda items, batch: [x for x, c in zip(items, cut) if c == batch]
+
+  def micro_loss(micro_args, outputs):
     loss, aux = loss_of(outputs, micro_args[1])
     leaves = jax.tree_util.tree_leaves(aux)
     return loss, (aux, [[leaves[i]] * len(AUX_REDUCTIONS) for i in undecided],
                   jnp.abs(bm.as_jax(loss)).astype(jnp.float32))
-
-  # the micro-batches: at LEVELS each micro-batch's loss is differentiated with respect to its slice of the
-  # outputs (the gradient of the combination: every slice's weighted gradient in its place, the weighted sum
-  # for outputs without a batch axis), cheaper to compile than the gradient of the scan
-  leaves, floating = jax.tree_util.tree_leaves(points[LEVELS]), _floating_leaves(points[LEVELS])
-  cut = [out_axes[i] is not None for i in floating]  # whether each floating leaf has a batch axis
-  split = lambda items, batch: [x for x, c in zip(items, cut) if c == batch]
-  with_grads = whole_grads is not None
 
   def micro_fn(micro_args, size):
     weight = weigh(micro_args[:2], size)
@@ -159,17 +181,17 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
       return MicroResult(None, jnp.stack(losses), auxs, weight)
     return MicroResult(split(grads, False), jnp.stack(losses), auxs, weight, [g * weight for g in split(grads, True)])
 
-  like = [leaves[i] for i in floating]  # gradients: summed where whole, stitched on the batch axis where cut
-  sums = accumulate(micro_fn, tuple(args) + tuple(points), list(axes) + list(out_axes) * len(POINTS), plan, [],
-                    split(like, False) if with_grads else None, split(like, True) if with_grads else None,
-                    split([out_axes[i] for i in floating], True) if with_grads else None, metrics)
+  return micro_fn
+
+
+def _evidence(wholes: list, sums, cut: list, metric_plan, metrics, undecided: list, reduction: str) -> Evidence:
+  """The :class:`Evidence` from the whole batch's values (``wholes``) and the micro-batches' ``sums``."""
   finished = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count, metrics.mean_by_weight)
   gaps = None
-  if with_grads:
+  if wholes[LEVELS][2] is not None:
     summed, stitched = iter(sums.grad_sum), iter(sums.samples)
     combined_grads = [next(stitched) if c else next(summed) for c in cut]
-    gaps = _gaps(whole_grads, finish_values(combined_grads, sums.total_weight, reduction))
-
+    gaps = _gaps(wholes[LEVELS][2], finish_values(combined_grads, sums.total_weight, reduction))
   compared = [i for i, rule in enumerate(metric_plan.rules) if rule.axis is None and i not in undecided]
   whole_metrics = [jax.tree_util.tree_leaves(aux) for _, aux, _ in wholes]
   return Evidence(whole=jnp.stack([bm.as_jax(loss).astype(jnp.float32) for loss, _, _ in wholes]),
