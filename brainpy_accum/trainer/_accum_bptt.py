@@ -1,12 +1,8 @@
 """``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation over micro-batches inside one compiled step.
 
-A thin trainer that composes its parts, each an object of its own with its collaborators passed in: the
-model's loss over bp.BPTT's own functions (:class:`~brainpy_accum.trainer._model_loss.ModelLoss`), the compiled
-steps (:class:`~brainpy_accum.trainer._compiled_steps.CompiledSteps`), the memory planner
-(:class:`~brainpy_accum.memory.Planner`, :attr:`AccumBPTT.planner`), the first-batch loss check
-(:class:`~brainpy_accum.trainer._coupled_loss.FirstBatchCheck`), the ``accumulate_steps`` window
-(:class:`~brainpy_accum.trainer._window.GradWindow`), and the epochs (:mod:`~brainpy_accum.trainer._fit_loop`,
-which gets :class:`~brainpy_accum.trainer._fit_loop.TrainerParts`). None of them reads the trainer's attributes.
+A thin trainer that composes its parts, each an object with its collaborators passed in: ``ModelLoss``,
+``CompiledSteps``, the memory ``Planner`` (:attr:`AccumBPTT.planner`), ``FirstBatchCheck``, ``GradWindow``
+and the fit loop's ``TrainerParts`` (``docs/architecture.md``). None of them reads the trainer's attributes.
 """
 
 import contextlib
@@ -76,129 +72,91 @@ class AccumBPTT(bp.BPTT):
   optimizer : Optimizer, optional
     The optimizer; defaults as in :class:`brainpy.BPTT`.
   num_micro_batch : int or 'auto', optional
-    Cut each batch into at most this many micro-batches of
-    ``ceil(batch_size / num_micro_batch)`` samples. Give this or ``micro_batch_size``;
-    with neither, each batch runs whole (``1``), exactly as in :class:`brainpy.BPTT`.
-    ``'auto'`` picks, for each batch size, the fewest micro-batches whose
-    compiled train step fits ``memory_budget`` (see :meth:`plan_memory`);
-    with ``remat='auto'`` as well, the fastest (micro-batches, remat) plan
-    that fits instead.
+    Cut each batch into at most this many micro-batches of ``ceil(batch_size /
+    num_micro_batch)`` samples (or give ``micro_batch_size``; neither: ``1``,
+    exactly :class:`brainpy.BPTT`). ``'auto'`` picks, per batch size, the
+    fewest micro-batches whose compiled step fits ``memory_budget``
+    (:meth:`plan_memory`).
   micro_batch_size : int, optional
-    Cut each batch into micro-batches of this many samples (the last one may
-    be shorter). Give this or ``num_micro_batch``.
+    Cut each batch into micro-batches of this many samples (the last shorter).
   grad_reduction : {'mean', 'sum'}
-    ``'mean'`` (default) weights each micro-batch by its sample count and
-    divides by the batch size: the right choice for losses that average over
-    samples. ``'sum'`` adds the micro-batch gradients, losses and metrics: the
-    right choice for losses that sum over samples.
+    ``'mean'`` (default) weights each micro-batch by its sample count and divides
+    by the batch size (losses that average over samples); ``'sum'`` adds them
+    (losses that sum over samples).
   target_batch_axis : int, optional
-    The batch axis of every target leaf. By default it follows
-    ``data_first_axis`` (axis 0 for ``'B'``, axis 1 for ``'T'``) and falls back
-    to axis 0 for leaves whose preferred axis does not hold the batch.
+    The batch axis of every target leaf (default: ``data_first_axis``'s, or
+    axis 0 where that axis does not hold the batch).
   memory_budget : int or str, optional
-    With ``num_micro_batch='auto'``: bytes, a string like ``'512MiB'`` or ``'2GiB'``,
-    or a share of the device such as ``'90%'``; on a GPU or TPU it may be left out: then
-    the device's own memory, less what other arrays hold and a margin (:attr:`planner`).
-    A batch whose data does not fit beside its step even at one sample per
-    micro-batch is streamed from the host in chunks that fit, still with one
-    optimizer update per batch (no mesh, default loss mode; :attr:`stream_chunks`).
+    With ``num_micro_batch='auto'``: bytes, ``'2GiB'``, or a share of the device
+    (``'90%'``); left out on a GPU or TPU: the device's own memory, less what
+    other arrays hold and a margin. A batch whose data does not fit beside its
+    step is streamed from the host in chunks, one update per batch.
   accumulate_steps : int or dict
-    Also accumulate across batches: one optimizer update every ``k`` batches
-    of the data iterator (and at the last batch of each epoch), weighted by
-    what each batch held, so ``k`` batches of ``b`` samples give the update of
-    one batch of ``k * b``. A dict ``{first_epoch: k}`` changes ``k`` by epoch
-    (``{0: 1, 5: 4}``). The running sums live in Variables on the device.
+    Also accumulate across batches: one update every ``k`` batches (and at an
+    epoch's last), weighted by what each held, so ``k`` batches of ``b`` give
+    the update of one of ``k * b``; ``{first_epoch: k}`` changes ``k`` by epoch.
   loss_weight_fn : callable, optional
-    ``loss_weight_fn(inputs, targets) -> weight`` of a (micro-)batch, for
-    losses normalised by something other than the sample count, e.g. the
-    number of valid time steps of a masked loss. Each micro-batch's gradient
-    is weighted by it and the total divided by the batch's total weight: the
-    gradient of the whole batch's normalised loss. ``'mean'`` only.
+    ``loss_weight_fn(inputs, targets) -> weight`` of a (micro-)batch, for losses
+    normalised by something else than the sample count (the valid steps of a
+    masked loss): micro-batches are weighted by it. ``'mean'`` only.
   clip_grad_norm : float, optional
     Clip the combined gradient (after all micro-batches and batches of an
     update) to this global L2 norm, once per optimizer update.
   skip_nonfinite : bool
-    Skip an update whose gradient holds a NaN or an infinity: parameters,
-    optimizer state and the learning-rate step stay exactly as before, the
-    skip is counted in :attr:`skipped_steps` and shown in the report line.
-    With ``accumulate_steps`` a non-finite batch is left out of its window
-    (and counted); the rest of the window still makes its update.
+    Skip an update whose gradient holds a NaN or an infinity (parameters,
+    optimizer state and learning-rate step stay exactly as they were; counted
+    in ``skipped_steps``); with ``accumulate_steps``, leave such a batch out
+    of its window.
   remat : bool or int
     Rematerialise over time: ``True`` checkpoints the time loop every
-    ``round(sqrt(T))`` steps, an int every that many steps, so that the
-    backward pass keeps one model state per segment instead of every step's
-    activations (about one extra forward pass of compute; same gradients).
-    ``False`` (default) stores every step, as :class:`brainpy.BPTT` does.
+    ``round(sqrt(T))`` steps, an int every that many, keeping one model state
+    per segment (about one extra forward pass; same gradients). ``False``
+    (default) stores every step, as :class:`brainpy.BPTT` does.
     ``'auto'`` (with ``num_micro_batch='auto'``): the planner chooses per batch
     size between remat and more micro-batches, the fastest that fits by trial
     steps that change nothing.
   mesh : jax.sharding.Mesh, optional
-    Data parallelism: every batch is split along its batch axis over the
-    ``D`` devices of ``mesh_axis`` (batch sizes must be multiples of ``D``),
-    each device runs its own micro-batch loop on its share, and the devices'
-    gradient sums are added once per train step. The micro-batch options and
-    ``memory_budget`` then describe each device's share. For several hosts,
-    call :func:`jax.distributed.initialize` first and build the mesh from
-    :func:`jax.devices`; every process runs the same :meth:`fit`.
+    Data parallelism: each batch is split over the ``D`` devices of ``mesh_axis``
+    (sizes must be multiples of ``D``), each runs its micro-batch loop on its
+    share, and their gradient sums are added once per step; the micro-batch
+    options and ``memory_budget`` describe one share.
   mesh_axis : str, optional
-    The mesh axis that splits the batch; needed only when the mesh has more
-    than one axis (the others then hold replicas).
+    The mesh axis that splits the batch (needed if the mesh has several).
   whole_batch_loss : bool
-    ``False`` (default): each micro-batch's loss is its own, and the combined
-    gradient is exact for losses that are a (weighted) mean or sum of
-    per-sample terms. At the first batch :meth:`fit` checks once, evaluating
-    ``loss_fun`` at random outputs (the model is not run; i.i.d. values, and
-    each micro-batch at a level of its own so that batch-wide means and
-    norms differ), whether the loss and its gradient with respect to the
-    outputs are such a mean's, and warns, with the measured difference, if
-    they are not. ``True``: exact for ANY loss of the
-    whole batch's predictions and monitors (batch-wide firing-rate
-    regularisers, batch statistics, maxima, contrastive terms), by two
-    passes inside the one compiled step: every micro-batch runs forward
-    keeping only its predictions, ``loss_fun`` runs once on the whole
-    batch's predictions and gives their gradient, then every micro-batch
-    runs forward and backward again from the same initial state and random
-    numbers, pulling back its slice of that gradient. Memory: the whole
-    batch's predictions plus one micro-batch's activations; compute: about
-    one extra forward pass. It combines with ``remat``, ``clip_grad_norm``,
-    ``skip_nonfinite``, the memory planner and ``mesh`` (outputs gathered
-    over the devices, one gradient all-reduce), but not with
-    ``accumulate_steps > 1`` (the loss of several batches together is not
-    known from their separate losses), ``grad_reduction='sum'`` or
-    ``loss_weight_fn`` (the loss itself normalises).
+    ``False`` (default): each micro-batch's loss is its own, exact for losses
+    that are a (weighted) mean or sum of per-sample terms; at the first batch
+    :meth:`fit` checks once, at random outputs (the model is not run), that the
+    loss and its gradient are such a mean's, and warns with the measured
+    difference if not. ``True``: exact for ANY loss of the whole batch's
+    predictions and monitors (batch-wide regularisers, statistics, maxima), by
+    two passes inside the one step: the micro-batches' forward passes give the
+    whole batch's predictions, ``loss_fun`` their gradient, and each
+    micro-batch runs again, pulling back its slice (memory: the predictions
+    plus one micro-batch's activations; about one extra forward pass). Not
+    with ``accumulate_steps > 1``, ``grad_reduction='sum'`` or
+    ``loss_weight_fn``.
   aux_reduction : dict, optional
     With ``loss_has_aux=True``: how scalar metrics combine over micro-batches
-    (and devices, and streamed chunks), by metric name: ``'mean'``, ``'sum'``
-    (counts; integer dtypes kept), ``'max'`` or ``'min'``, e.g.
-    ``{'max_rate': 'max', 'n_correct': 'sum'}``. A declaration always wins.
-    Undeclared scalar metrics get, in the default mode, the one of the four
-    that the first batch's check finds to give the whole batch's value from
-    the micro-batches' values at random outputs (before the first step is
-    traced); where none or several do (a metric constant there), they
-    combine like the loss (weighted mean; a sum with
-    ``grad_reduction='sum'``) and it warns, naming the metric. Per-sample
-    metrics, arrays whose shape holds the batch (``(B,)``, ``(B, T)``,
-    ``(T, B, ...)``), need no declaration: they are stitched along their
-    batch axis into the whole batch's array, as :class:`brainpy.BPTT`
-    records them. A declared scalar metric whose combination differs from
-    its whole-batch value at the first batch warns too.
+    (and devices, and streamed chunks), by name: ``'mean'``, ``'sum'`` (integer
+    dtypes kept), ``'max'`` or ``'min'``, e.g. ``{'n_correct': 'sum'}``. A
+    declaration wins; an undeclared one gets the reduction the first batch's
+    check finds to give the whole batch's value (none or several: the loss's,
+    with a warning naming it). Per-sample metrics (arrays holding the batch)
+    are stitched into the whole batch's array, as :class:`brainpy.BPTT`
+    records them.
   cache : bool, str or os.PathLike
-    Caches that make a rerun start fast: JAX's persistent compilation cache
-    (``<folder>/jax``, unless JAX has a cache folder already) and the
-    planner's plans (``<folder>/plans``; a cached plan's step is compiled and
-    measured again, never trusted). ``True`` (default): the folder
-    ``BRAINPY_ACCUM_CACHE_DIR``, else ``~/.cache/brainpy_accum``, none if
-    ``BRAINPY_ACCUM_CACHE=0``; ``False``: no caches; a path: that folder.
+    Caches that make a rerun start fast: JAX's persistent compilation cache and
+    the planner's plans (measured again, never trusted). ``True`` (default):
+    ``BRAINPY_ACCUM_CACHE_DIR`` or ``~/.cache/brainpy_accum`` (none if
+    ``BRAINPY_ACCUM_CACHE=0``); ``False``: none; a path: that folder.
   **kwargs
-    Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``,
-    ``jit``, ``data_first_axis``, ``progress_bar``, ...).
+    Any other :class:`brainpy.BPTT` argument (``loss_has_aux``, ``monitors``, ...).
 
   Attributes
   ----------
   trace_counts : dict
-    How many times the train step (``'fit'``) and the evaluation step
-    (``'loss'``) were traced: one per distinct batch shape when jitted.
-    :attr:`compilations` counts the XLA executables behind them.
+    How many times the train (``'fit'``) and evaluation (``'loss'``) steps
+    were traced: one per distinct batch shape when jitted.
   planner : brainpy_accum.memory.Planner
     How each batch size is cut: its budget, plans (:attr:`memory_plans`),
     streamed chunks (:attr:`stream_chunks`), ``weighed_plans`` and plan cache.
@@ -294,9 +252,10 @@ class AccumBPTT(bp.BPTT):
                   devices))
     self.trace_counts = self._steps.trace_counts
     self._check = FirstBatchCheck(
-      self.target, CheckParts(self._check_batch, self.plan_for, self._known_plan, self._argument_bytes,
-                              lambda: self.planner.budget, self._steps.check_flat_states, self._quiet,
-                              model.forward, model.loss_of, model.weigh, self._variables, self._steps.use_found),
+      self.target, CheckParts(self._check_batch, self.plan_for, lambda size: self.planner.known_plan(size),
+                              self._argument_bytes, lambda: self.planner.budget, self._steps.check_flat_states,
+                              self._quiet, model.forward, model.loss_of, model.weigh, self._variables,
+                              self._steps.use_found),
       loss_func=self._loss_func, jit=bool(self.jit['fit']), on_mesh=self.mesh is not None,
       reduction=self.grad_reduction, declared=self.aux_reduction, has_metrics=self.loss_has_aux,
       weighted=self.loss_weight_fn is not None, done=self.whole_batch_loss)
@@ -328,15 +287,13 @@ class AccumBPTT(bp.BPTT):
   ) -> None:
     """Train on ``train_data`` for ``num_epoch`` epochs, one optimizer update per batch.
 
-    The arguments and the recorded metrics are those of
-    :meth:`brainpy.BPTT.fit`; every batch is micro-batched, and so is the
-    evaluation on ``test_data``.
+    The arguments and the recorded metrics are those of :meth:`brainpy.BPTT.fit`; every batch is micro-batched,
+    and so is the evaluation on ``test_data``.
 
     Parameters
     ----------
     train_data : iterable or callable
-      Batches ``(inputs, targets)``, or a function returning such an iterable
-      (called once per epoch).
+      Batches ``(inputs, targets)``, or a function returning them (called once per epoch).
     test_data : iterable or callable, optional
       Evaluation batches, run after each training epoch.
     num_epoch : int
@@ -344,16 +301,14 @@ class AccumBPTT(bp.BPTT):
     num_report : int
       ``-1`` reports once per epoch; ``k > 0`` every ``k`` batches.
     reset_state : bool
-      Reset the model state at the batch size before each batch. With
-      ``False`` each sample keeps its model state from the previous batch
-      (truncated BPTT over consecutive chunks).
+      Reset the model state at the batch size before each batch; ``False``: each sample keeps its state from
+      the previous batch (truncated BPTT), which must then be of the same size.
     shared_args : dict, optional
       Shared arguments for the model; ``fit`` is set to ``True`` unless given.
     fun_after_report : callable, optional
       Called as ``fun_after_report(idx, metrics, phase)`` after each report.
     batch_size : None
-      Removed from :class:`brainpy.BPTT`: give batches in the data. Anything
-      but ``None`` raises, as in BrainPy (an instance of its ``NoLongerSupportError``).
+      Removed from :class:`brainpy.BPTT`: anything but ``None`` raises, as in BrainPy.
     checkpoint : str or os.PathLike, optional
       A file for checkpoints of the run (:meth:`save_checkpoint`'s content plus where the run stands
       and its metric history), written atomically at each epoch's end and every ``checkpoint_every``
@@ -363,26 +318,23 @@ class AccumBPTT(bp.BPTT):
       state, ``accumulate_steps`` window, losses and history). The data must give the same batches
       in the same order when run again (a list, or a function that shuffles with a seed per epoch).
       A larger ``num_epoch`` continues a finished run. A damaged or foreign file raises before
-      anything trains (see :meth:`load_checkpoint`). A checkpoint that cannot be written (a full
-      disk, a folder that disappeared) does not stop the run: it warns (``Could not write the
-      checkpoint path=...``), training goes on, the next checkpoint tries again, and the file keeps
-      the last checkpoint written. To stop instead, make that warning an error:
-      ``warnings.filterwarnings('error', 'Could not write the checkpoint')``.
+      anything trains. A checkpoint that cannot be written (a full disk) warns (``Could not write
+      the checkpoint path=...``) and training goes on, the file keeping the last one written; make
+      that warning an error to stop instead.
     checkpoint_every : int, optional
       Also write the checkpoint every this many optimizer updates (needs ``checkpoint``).
 
     Notes
     -----
-    Ctrl-C (SIGINT) and SIGTERM during ``fit`` are held until the running batch is done: ``fit``
-    then stops with the trainer at its last completed batch and a consistent history, writes the
-    checkpoint if one is configured, and lets the signal act through the handler that was there before
-    (Python's raises KeyboardInterrupt; SIGTERM's default ends the process; one that returns ends ``fit``).
-    An ignored signal stays ignored. A second Ctrl-C stops at once, without a checkpoint.
+    Ctrl-C (SIGINT) and SIGTERM are held until the running batch is done: ``fit`` then stops at its
+    last completed batch, writes the checkpoint if one is configured, and lets the signal act through
+    the handler that was there before. A second Ctrl-C stops at once, without a checkpoint.
     """
     parts = TrainerParts(check_batch=self._check_batch, place_on_mesh=self.place_on_mesh,
                          check_loss_once=self._check, replan_finer=self._replan_finer,
-                         note_compilations=self._compiles.note, step=self._steps.step, without_time_step_bars=self._quiet,
-                         window=self._window, metric_plan=lambda: self._steps.metric_rules,
+                         note_compilations=self._compiles.note, step=self._steps.step,
+                         without_time_step_bars=self._quiet, window=self._window,
+                         metric_plan=lambda: self._steps.metric_rules,
                          plan_cached=self.planner.is_cached, plan_chunk=self.planner.plan_chunk,
                          whole_batch_loss=self._step_func_loss, keep_history=self._keep_history)
     run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
@@ -395,14 +347,10 @@ class AccumBPTT(bp.BPTT):
                   ) -> MicroBatchPlan:
     """Choose and cache the fewest micro-batches whose compiled train step fits the budget (:attr:`planner`'s).
 
-    Candidate micro-batch sizes are compiled ahead of time and measured with
-    XLA's memory analysis; no step runs and nothing changes but the choice,
-    printed and kept in :attr:`memory_plans` as ``{batch_size: (plan, bytes)}``.
-    With ``remat='auto'``: the fastest plan that fits, of the largest fitting
-    micro-batch without remat and with remat every ``sqrt(T)`` steps, timed
-    with trial steps that change nothing (``step_time(plans) -> seconds``
-    replaces them, e.g. a cost model). A batch whose data does not fit beside
-    its step is streamed from the host in chunks (:attr:`stream_chunks`).
+    Candidate micro-batch sizes are compiled ahead of time and measured with XLA's memory analysis; nothing
+    runs or changes but the choice, printed and kept in :attr:`memory_plans`. With ``remat='auto'``: the
+    fastest plan that fits, by trial steps that change nothing (``step_time(plans) -> seconds`` replaces
+    them). A batch whose data does not fit beside its step is streamed in chunks (:attr:`stream_chunks`).
 
     Raises
     ------
@@ -426,10 +374,9 @@ class AccumBPTT(bp.BPTT):
     return self.planner.plan(inputs, targets, fit_args(shared_args), step_time=step_time)
 
   def plan_for(self, batch_size: int) -> MicroBatchPlan:
-    """The micro-batches that a batch of ``batch_size`` samples is cut into.
-
-    With ``num_micro_batch='auto'`` the batch size must have been planned
-    (:meth:`plan_memory`, which :meth:`fit` calls on each new batch size).
+    """The micro-batches that a batch of ``batch_size`` samples is cut into (:attr:`planner`'s). With
+    ``num_micro_batch='auto'`` the batch size must have been planned (:meth:`plan_memory`, which :meth:`fit`
+    calls on each new batch size).
 
     Examples
     --------
@@ -437,37 +384,18 @@ class AccumBPTT(bp.BPTT):
     >>> from brainpy_accum import AccumBPTT
     >>> with bm.training_environment():
     ...   model = bp.dnn.Dense(2, 2)
-    >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).plan_for(10).sizes
-    (3, 3, 3, 1)
+    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=4)
+    >>> trainer.plan_for(10).sizes, trainer.num_micro_batch_for(10), trainer.describe_batch(10)
+    ((3, 3, 3, 1), 4, 'batch 10 = 3 x 3 + 1')
     """
     return self.planner.plan_for(batch_size)
 
   def num_micro_batch_for(self, batch_size: int) -> int:
-    """How many micro-batches a batch of ``batch_size`` samples runs in.
-
-    Examples
-    --------
-    >>> import brainpy as bp, brainpy.math as bm
-    >>> from brainpy_accum import AccumBPTT
-    >>> with bm.training_environment():
-    ...   model = bp.dnn.Dense(2, 2)
-    >>> AccumBPTT(model, 'mean_squared_error', micro_batch_size=4).num_micro_batch_for(10)
-    3
-    """
+    """How many micro-batches a batch of ``batch_size`` samples runs in (see :meth:`plan_for`)."""
     return self.plan_for(batch_size).num_micro_batches
 
   def describe_batch(self, batch_size: int) -> str:
-    """How a batch of ``batch_size`` samples is cut, as the report line shows it.
-
-    Examples
-    --------
-    >>> import brainpy as bp, brainpy.math as bm
-    >>> from brainpy_accum import AccumBPTT
-    >>> with bm.training_environment():
-    ...   model = bp.dnn.Dense(2, 2)
-    >>> AccumBPTT(model, 'mean_squared_error', num_micro_batch=4).describe_batch(10)
-    'batch 10 = 3 x 3 + 1'
-    """
+    """How a batch of ``batch_size`` samples is cut, as the report line shows it (see :meth:`plan_for`)."""
     return self.planner.describe(batch_size)
 
   @property
@@ -484,26 +412,9 @@ class AccumBPTT(bp.BPTT):
 
   @property
   def compilations(self) -> Dict[str, int]:
-    """XLA compilations so far of the train (``'fit'``) and evaluation (``'loss'``) steps run by :meth:`fit`.
-
-    Counted from JAX's backend-compilation events while a step is called, so it
-    is exact with or without a mesh: one per distinct batch shape (and, with
-    ``accumulate_steps`` on a mesh, one more for the step that only collects).
-
-    Examples
-    --------
-    >>> import brainpy as bp, brainpy.math as bm, numpy as np
-    >>> from brainpy_accum import AccumBPTT
-    >>> with bm.training_environment():
-    ...   model = bp.dnn.Dense(3, 2)
-    >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2, progress_bar=False)
-    >>> trainer.fit([(np.ones((4, 5, 3), 'float32'), np.ones((4, 5, 2), 'float32'))] * 3, num_epoch=2)
-    ... # doctest: +ELLIPSIS
-    Train 0 epoch, ...
-    Train 1 epoch, ...
-    >>> trainer.compilations
-    {'fit': 1, 'loss': 0}
-    """
+    """XLA compilations so far of the train (``'fit'``) and evaluation (``'loss'``) steps run by :meth:`fit`:
+    one per distinct batch shape (and, with ``accumulate_steps`` on a mesh, one more for the step that only
+    collects), counted from JAX's backend-compilation events while a step is called."""
     return dict(self._compiles.counts)
 
   def compiled_step_bytes(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
@@ -520,16 +431,11 @@ class AccumBPTT(bp.BPTT):
                    quick: bool = False):
     """The train step for this batch shape, compiled ahead of time by XLA; nothing runs, nothing changes.
 
-    Returns JAX's compiled object: ``memory_analysis()`` gives its memory
-    (per device with a mesh), ``as_text()`` its optimised HLO, e.g. to count
-    the cross-device reductions (``all-reduce``) of a sharded step. The model
-    state enters at its current size: call ``model.reset(batch_size)`` first,
-    as :meth:`fit` does. ``plan`` overrides the trainer's micro-batch plan;
-    ``update=False`` compiles the step that only adds a batch to the
-    ``accumulate_steps`` window; ``via_window=True`` the step that passes its
-    gradient through the window (a streamed chunk's).
-    ``quick=True`` leaves XLA's code generation unoptimised: faster to compile,
-    slower to run, with the same memory analysis (the planner's probes).
+    Returns JAX's compiled object (``memory_analysis()``: its memory, per device with a mesh; ``as_text()``:
+    its optimised HLO). The model state enters at its current size: ``model.reset(batch_size)`` first, as
+    :meth:`fit` does. ``plan`` overrides the batch's plan; ``update=False``: the step that only adds a batch to
+    the ``accumulate_steps`` window; ``via_window=True``: a streamed chunk's step; ``quick=True``: XLA's code
+    generation unoptimised (the same memory analysis: the planner's probes).
 
     Examples
     --------
@@ -564,10 +470,8 @@ class AccumBPTT(bp.BPTT):
     BrainPy's global random state to ``path``, atomically (a temporary file, flushed to the disk, then renamed),
     with a SHA-256 of every part of the file that :meth:`load_checkpoint` verifies.
 
-    A file that cannot be written (a full disk, a folder that disappeared) raises an ``OSError`` naming
-    ``path``, and the previous checkpoint at ``path``, if any, is left as it was.
-
-    :meth:`save_state` / :meth:`load_state` and ``state_dict`` keep their BrainPy meanings.
+    A file that cannot be written raises an ``OSError`` naming ``path``; the previous checkpoint there is left
+    as it was. :meth:`save_state` / :meth:`load_state` and ``state_dict`` keep their BrainPy meanings.
 
     Examples
     --------
@@ -584,30 +488,25 @@ class AccumBPTT(bp.BPTT):
   def load_checkpoint(self, path: str) -> None:
     """Restore what :meth:`save_checkpoint` wrote; a damaged or mismatched file raises and changes nothing.
 
-    Every checksum of the file is verified, then its Variables are checked against the trainer's (counts,
-    shapes, dtypes), before anything is assigned. A byte changed anywhere, a truncated or extended file,
-    another model's or optimizer's checkpoint raise a ``ValueError`` naming the file and the part that failed
-    (a folder: ``IsADirectoryError``); the trainer keeps every value it had. A file of the previous format
-    (``brainpy_accum.checkpoint.v1``, without checksums) loads with a warning.
+    Every checksum of the file is verified, then its Variables are checked against the trainer's, before
+    anything is assigned: a byte changed anywhere, a truncated file, another model's or optimizer's checkpoint
+    raise a ``ValueError`` naming the file and the part that failed, and the trainer keeps every value it had.
+    A file of the previous format (without checksums) loads with a warning.
 
     Examples
     --------
-    >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+    >>> import os, pathlib, tempfile, brainpy as bp, brainpy.math as bm
     >>> from brainpy_accum import AccumBPTT
     >>> with bm.training_environment():
     ...   model = bp.dnn.Dense(2, 2)
     >>> trainer = AccumBPTT(model, 'mean_squared_error', num_micro_batch=2)
-    >>> trainer.load_checkpoint(os.path.join(tempfile.mkdtemp(), 'missing.ckpt'))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    FileNotFoundError: No checkpoint at path=...
-    >>> import pathlib
     >>> path = pathlib.Path(trainer.save_checkpoint(os.path.join(tempfile.mkdtemp(), 'run.ckpt')))
     >>> damaged = bytearray(path.read_bytes())
     >>> damaged[-1] ^= 1  # one bit of the last array, BrainPy's random key
     >>> _ = path.write_bytes(bytes(damaged))
     >>> trainer.load_checkpoint(path)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
-    ValueError: Checkpoint path=... is damaged: random variable default (uint32[2], bytes ...) does not match the SHA-256 written with it. Nothing was loaded.
+    ValueError: Checkpoint path=... is damaged: random variable default ... Nothing was loaded.
     """
     load_checkpoint(self, path, self._window)
 
@@ -658,9 +557,6 @@ class AccumBPTT(bp.BPTT):
     """Device bytes of the next batch, sent while a step of this one runs (:mod:`~brainpy_accum.trainer._feed`)."""
     return prefetch_bytes(inputs, targets) if self.mesh is None and sends_ahead() else 0
 
-  def _known_plan(self, batch_size: int) -> Optional[MicroBatchPlan]:
-    return self.planner.known_plan(batch_size)
-
   def _replan_finer(self, batch_size: int, error: BaseException, inputs, targets, shared_args) -> str:
     """After the device ran out of memory: the planner's finer cut of ``batch_size``; the steps trace anew. A
     fixed cut whose step the device refused to compile is the user's to change: the error that says to what."""
@@ -671,13 +567,13 @@ class AccumBPTT(bp.BPTT):
     return change
 
   def _plan_key(self, shared_args, inputs, targets, via_window: bool, budget: int) -> dict:
-    """The plan cache's key of a batch: the model, the loss, the options and the batch (:mod:`~brainpy_accum.memory._plan_key`)."""
-    options = {'memory_budget': budget, 'remat': self.remat, 'grad_reduction': self.grad_reduction,
-               'whole_batch_loss': self.whole_batch_loss, 'accumulate_steps': repr(self.accumulate_steps),
-               'clip_grad_norm': self.clip_grad_norm, 'skip_nonfinite': self.skip_nonfinite,
-               'data_first_axis': self.data_first_axis, 'target_batch_axis': self.target_batch_axis,
-               'loss_has_aux': self.loss_has_aux, 'aux_reduction': sorted(self.aux_reduction.items()),
-               'optimizer': type(self.optimizer).__qualname__, 'jit': repr(dict(self.jit)), 'via_window': via_window}
+    """The plan cache's key of a batch: the model, loss, options and batch (:mod:`~brainpy_accum.memory._plan_key`)."""
+    options = {name: getattr(self, name) for name in ('remat', 'grad_reduction', 'whole_batch_loss', 'clip_grad_norm',
+                                                     'skip_nonfinite', 'data_first_axis', 'target_batch_axis',
+                                                     'loss_has_aux')}
+    options.update(memory_budget=budget, accumulate_steps=repr(self.accumulate_steps), via_window=via_window,
+                   aux_reduction=sorted(self.aux_reduction.items()), optimizer=type(self.optimizer).__qualname__,
+                   jit=repr(dict(self.jit)))
     return plan_key(self.target, self.vars().unique().values(), (self._loss_func, self.loss_weight_fn), options,
                     shared_args, inputs, targets)
 
