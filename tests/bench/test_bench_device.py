@@ -40,6 +40,7 @@ def _check_trained(rows, workload, batch):
   assert rows[workload, batch, 'plain JAX + optax']['samples_per_s']['device'] > 0
 
 
+@pytest.mark.long  # the long suite (--long): a small run of the device part
 def test_device_part_records_a_refused_step_as_not_fitting_and_writes_its_files(tmp_path, monkeypatch):
   """bp.BPTT refused for memory (XLA's compile-time refusal, simulated): "does not fit" in the table, and the
   run goes on; AccumBPTT is timed on NumPy and device batches, plain JAX on device batches."""

@@ -7,6 +7,8 @@ its evaluation, ``predict``, the first-batch check and the planner trace cleanly
 them what it read before.
 """
 
+import contextlib
+
 import brainpy as bp
 import brainpy.math as bm
 import jax
@@ -46,24 +48,37 @@ def _fit_and_predict(trainer, batches, evaluate: bool = True):
   return trainer.predict(batches[0][0])
 
 
+def test_bptt_leaves_tracers_in_bp_share_where_accum_bptt_leaves_it_as_it_was():
+  """The same model and batch: after bp.BPTT's fit ``bp.share`` holds tracers; after AccumBPTT's fit and predict it
+  reads what it read before (the decision documented in the guide: what the steps save exists only inside them;
+  keys a user saved keep their values, the very objects; keys nobody saved stay unsaved)."""
+  batches = make_batches(SIZES)
+  reference = bp.BPTT(make_model('rnn'), squared_error, optimizer=bp.optim.Adam(lr=1e-2), progress_bar=False)
+  with shared_env_restored():  # bp.BPTT's leftovers go at the end of this block
+    reference.fit(batches, num_epoch=1)
+    assert {'i', 't', 'fit'} <= set(_shared_tracers())  # what a user of bp.BPTT reads from bp.share after fit
+  _accum_bptt_leaves_bp_share_as_it_was(batches, contextlib.nullcontext)
+
+
+@pytest.mark.long  # the long suite (--long): leak checking compiles everything anew
 def test_bptt_leaks_tracers_where_accum_bptt_traces_cleanly():
-  """The same model and batch: bp.BPTT's fit fails under leak checking and leaves tracers in ``bp.share``;
-  AccumBPTT's fit and predict pass, and ``bp.share`` then reads what it read before (the decision documented in
-  the guide: what the steps save exists only inside them; keys a user saved keep their values, the very
-  objects; keys nobody saved stay unsaved)."""
+  """Under ``jax.checking_leaks()``: bp.BPTT's fit fails with a leaked trace; AccumBPTT's fit and predict pass and
+  leave ``bp.share`` as it was."""
   batches = make_batches(SIZES)
   reference = bp.BPTT(make_model('rnn'), squared_error, optimizer=bp.optim.Adam(lr=1e-2), progress_bar=False)
   with shared_env_restored():  # bp.BPTT's leftovers go at the end of this block
     with pytest.raises(Exception, match='Leaked trace'), jax.checking_leaks():
       reference.fit(batches, num_epoch=1)
-    assert {'i', 't', 'fit'} <= set(_shared_tracers())  # what a user of bp.BPTT reads from bp.share after fit
+  _accum_bptt_leaves_bp_share_as_it_was(batches, jax.checking_leaks)
 
+
+def _accum_bptt_leaves_bp_share_as_it_was(batches, checking):
   bp.share.save(t=12.5, fit='mine', my_setting=[1, 2])
   before = dict(bp.share.get_shargs())
   assert 'i' not in before
   trainer = AccumBPTT(make_model('rnn'), squared_error, optimizer=bp.optim.Adam(lr=1e-2), progress_bar=False,
                       num_micro_batch=3)
-  with jax.checking_leaks():
+  with checking():
     predicted = _fit_and_predict(trainer, batches, evaluate=False)
   assert np.all(np.isfinite(np.asarray(predicted)))
   after = dict(bp.share.get_shargs())

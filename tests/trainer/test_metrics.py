@@ -251,8 +251,8 @@ def _budget_for_two_micro_batches(batch):
   return (need[0] + need[1]) // 2
 
 
-@pytest.mark.parametrize('planned', ['in_fit', pytest.param('before_fit', marks=pytest.mark.long),
-                                     pytest.param('cached', marks=pytest.mark.long)])
+@pytest.mark.long  # the long suite (--long); test_every_metric_equals_bptt[found] is the quick one
+@pytest.mark.parametrize('planned', ['in_fit', 'before_fit', 'cached'])
 def test_found_reductions_with_auto_plans_equal_bptt(planned, tmp_path):
   """num_micro_batch='auto': the check finds the max, min and count before the planner compiles the step that
   training runs (``in_fit``), or before the first step where the plan comes from the plan cache (``cached``:

@@ -13,6 +13,7 @@ potentials, a state not written back) could not hide behind ties here.
 import brainpy as bp
 import brainpy.math as bm
 import numpy as np
+import pytest
 
 from brainpy_accum import AccumBPTT
 from helpers import assert_trees_close, params_of
@@ -61,6 +62,7 @@ def _spike_batches(sizes, seed=0):
   return batches
 
 
+@pytest.mark.long  # the long suite (--long): a spiking network over batches of three sizes
 def test_mean_over_time_read_out_trains_as_bptt_at_changing_batch_sizes():
   batches = _spike_batches((10, 11, 10))
   results = []
