@@ -20,7 +20,7 @@ from ..core._cut import is_int
 
 __all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes',
            'largest_fitting', 'choose_micro_batch_size', 'StepMemory', 'memory_parts', 'step_memory',
-           'argument_bytes', 'fixed_bytes_at_least']
+           'argument_bytes', 'fixed_bytes_at_least', 'TooSmall']
 
 _UNITS = {'': 1, 'B': 1, 'KB': 10 ** 3, 'MB': 10 ** 6, 'GB': 10 ** 9, 'TB': 10 ** 12,
           'KIB': 2 ** 10, 'MIB': 2 ** 20, 'GIB': 2 ** 30, 'TIB': 2 ** 40}
@@ -102,6 +102,14 @@ def fixed_bytes_at_least(variables: Iterable, params: Sequence, optimizer_variab
 def candidate_micro_batch_sizes(batch_size: int) -> List[int]:
   """The distinct ``ceil(batch_size / N)`` for ``N = 1 .. batch_size``, largest first (fewest micro-batches)."""
   return sorted({-(-batch_size // n) for n in range(1, batch_size + 1)}, reverse=True)
+
+
+class TooSmall(ValueError):
+  """A budget that not even one sample per micro-batch fits; ``need``: the bytes that would."""
+
+  def __init__(self, message: str, need: int):
+    super().__init__(message)
+    self.need = need
 
 
 class StepMemory(NamedTuple):
@@ -256,7 +264,7 @@ def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int
                           measure_pick=None if measure_pick is None else recorded(measure_pick)) if sizes else None
   if found is None:
     need = measured.get(1, budget + 1)
-    raise ValueError(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
-                     f'one sample need {format_memory(need)} ({need} bytes) for a batch of '
-                     f'{batch_size}. Raise memory_budget to at least {need}, or use remat=True.')
+    raise TooSmall(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
+                   f'one sample need {format_memory(need)} ({need} bytes) for a batch of '
+                   f'{batch_size}. Raise memory_budget to at least {need}, or use remat=True.', need)
   return found

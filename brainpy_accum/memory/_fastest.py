@@ -18,7 +18,7 @@ import time
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from ..core._cut import describe_remat
-from ._budget import StepMemory, memory_parts, candidate_micro_batch_sizes, format_memory, largest_fitting
+from ._budget import StepMemory, TooSmall, memory_parts, candidate_micro_batch_sizes, format_memory, largest_fitting
 
 __all__ = ['Candidate', 'REMAT_OPTIONS', 'choose_fastest_plan', 'time_steps', 'describe_choice']
 
@@ -111,11 +111,11 @@ def choose_fastest_plan(batch_size: int, budget: int, measure: Callable[[int, Re
   return min((c for c in weighed if c.fits), key=lambda c: c.seconds or 0.), weighed
 
 
-def _too_small(budget: int, batch_size: int, need: int) -> ValueError:
+def _too_small(budget: int, batch_size: int, need: int) -> TooSmall:
   """The error of a budget that no plan fits, naming what one sample per micro-batch needs."""
-  return ValueError(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
-                    f'one sample with remat need {format_memory(need)} ({need} bytes) for a batch of '
-                    f'{batch_size}. Raise memory_budget to at least {need}.')
+  return TooSmall(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
+                  f'one sample with remat need {format_memory(need)} ({need} bytes) for a batch of '
+                  f'{batch_size}. Raise memory_budget to at least {need}.', need)
 
 
 def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3, warm_up: bool = True,

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import check_divisible
 from ..core._states import values_restored
-from ._budget import StepMemory, choose_micro_batch_size, format_memory, memory_parts
+from ._budget import StepMemory, TooSmall, choose_micro_batch_size, format_memory, memory_parts
 from ._cache import PlanCache
 from ._chunks import ChunkSearch
 from . import _device
@@ -131,7 +131,7 @@ class Planner:
   whole_batch_loss : bool
     Whether the step keeps the whole batch's outputs (never streamed).
   cache : PlanCache, optional
-    The plans of earlier runs, by ``key_of(shared_args, inputs, targets, via_window)``.
+    The plans of earlier runs, by ``key_of(shared_args, inputs, targets, via_window, budget)``.
   key_of : callable, optional
     The plan cache's key of a batch.
 
@@ -166,10 +166,11 @@ class Planner:
     self.num_micro_batch, self.micro_batch_size = num_micro_batch, micro_batch_size
     # what the device holds beside a step (the next batch, sent ahead) counts in its memory: in every figure
     self.model = model._replace(fixed_bytes=_with_ahead(model.fixed_bytes, model.ahead_bytes, at=0))
-    self.compilers = compilers._replace(
-      step_bytes=self._measured(_with_ahead(compilers.step_bytes, model.ahead_bytes, at=2), trial=False),
-      trial=self._measured(_with_ahead(compilers.trial, model.ahead_bytes, at=2), trial=True),
-      bytes_at_least=_with_ahead(compilers.bytes_at_least, model.ahead_bytes, at=2))
+    ahead = functools.partial(_with_ahead, ahead_bytes=model.ahead_bytes, at=2)
+    self._unmeasured = compilers._replace(step_bytes=ahead(compilers.step_bytes), trial=ahead(compilers.trial),
+                                          bytes_at_least=ahead(compilers.bytes_at_least))
+    self.compilers = self._unmeasured._replace(step_bytes=self._measured(self._unmeasured.step_bytes, trial=False),
+                                               trial=self._measured(self._unmeasured.trial, trial=True))
     self.budget_of, self.remat, self.devices, self.mesh_axis = budget, remat, devices, mesh_axis
     self.streams, self.whole_batch_loss, self.cache, self.key_of = streams, whole_batch_loss, cache, key_of
     self.memory_plans: Dict[int, Tuple[MicroBatchPlan, int]] = {}  # batch (or chunk) size -> (plan, bytes)
@@ -184,10 +185,11 @@ class Planner:
   @property
   def budget(self) -> Optional[int]:
     """The memory budget in bytes (``None`` without one); the device's is worked out at its first use."""
-    if self.budget_of is None:
-      return None
-    return self.budget_of.bytes(held=lambda: sum(int(v.value.nbytes) for v in self.model.variables()
-                                                 if isinstance(v.value, jax.Array)))
+    return None if self.budget_of is None else self.budget_of.bytes(held=self._held)
+
+  def _held(self) -> int:
+    """Bytes the trainer's own Variables hold on the device: the step's arguments, counted in its memory."""
+    return sum(int(v.value.nbytes) for v in self.model.variables() if isinstance(v.value, jax.Array))
 
   def share_size(self, batch_size: int) -> int:
     """Samples each device holds of a batch of ``batch_size``."""
@@ -229,23 +231,24 @@ class Planner:
     (quick compilations), else ``'auto'``."""
     layout = self.model.check_batch(inputs, targets)
     plan, memory = self.plan_for(layout.batch_size), _device.device_memory()
-    budget = self.budget_of or Budget(None)
+    limit = (self.budget_of or Budget(None)).bytes(held=self._held)
     share, need = self.share_size(layout.batch_size), refused_bytes(error, 0)
-    probe = lambda size: self.compilers.step_bytes(plan_micro_batches(share, micro_batch_size=size)._replace(
-      remat=plan.remat), shared_args, inputs, targets, False)
+    measure = self._measured(self._unmeasured.step_bytes, trial=False, budget=lambda: limit)
+    probe = lambda size: measure(plan_micro_batches(share, micro_batch_size=size)._replace(remat=plan.remat),
+                                 shared_args, inputs, targets, False)
     option = 'num_micro_batch' if self.micro_batch_size is None else 'micro_batch_size'
     try:
-      size, used = choose_micro_batch_size(share, budget.bytes(), probe, below=plan.micro_batch_size)
+      size, used = choose_micro_batch_size(share, limit, probe, below=plan.micro_batch_size)
       count = -(-share // size)
       fix = (f'{option}={count if option == "num_micro_batch" else size} fits ({plural(count, "micro-batch")} of '
              f'{size}, its step {format_memory(used)}), or pass')
     except ValueError:
       fix = 'not even one sample per micro-batch fits: use remat=True, a smaller model or fewer time steps, or pass'
-    needs = f'{format_memory(need)}, more than' if need else 'more than'
-    limit = 'the device holds' if memory is None else f'the {format_memory(memory.limit)} of the {memory.kind} device'
+    needs = f'at least {format_memory(need)}, more than' if need else 'more than'
+    held = 'the device holds' if memory is None else f'the {format_memory(memory.limit)} of the {memory.kind} device'
     return MemoryError(f'The train step of {self.describe(layout.batch_size)} ({option}='
                        f'{getattr(self, option)!r}) does not fit the device: XLA refused to compile it, as it needs '
-                       f'{needs} {limit}; nothing was run or changed. {fix} num_micro_batch=\'auto\' to plan each '
+                       f'{needs} {held}; nothing was run or changed. {fix} num_micro_batch=\'auto\' to plan each '
                        f'batch size within the device\'s memory.')
 
   def is_cached(self, shared_args, inputs, targets) -> bool:
@@ -295,6 +298,9 @@ class Planner:
   def _check_whole_batch_fits(self, batch_size: int, fixed: int) -> None:
     """``whole_batch_loss=True`` keeps the whole batch on the device: refuse, by arithmetic, data that cannot fit."""
     budget = self.budget
+    if self.whole_batch_loss and self.mesh_axis is None and fixed > budget and self.budget_of.from_device:
+      raise self._device_too_small(f'batch {batch_size}, whose data, Variables and updated parameters '
+                                   f'whole_batch_loss=True keeps on the device,', fixed)
     if self.whole_batch_loss and self.mesh_axis is None and fixed > budget:
       raise ValueError(f'{self.budget_of.named()} ({budget} bytes) is too small for batch {batch_size}: its '
                        f'data, the Variables and the updated parameters alone take at least {format_memory(fixed)} '
@@ -302,10 +308,19 @@ class Planner:
                        f'streamed from the host in chunks). Raise memory_budget above {fixed}, or pass smaller '
                        f'batches.')
 
-  def _measured(self, compile_: Callable, trial: bool) -> Callable:
+  def _device_too_small(self, what: str, need: int) -> ValueError:
+    """The error of a batch that the device's own memory does not hold: there is no ``memory_budget`` to raise,
+    so it names the other fixes."""
+    share = '' if self.budget_of.value is None or self.budget_of.value.strip() == '100%' else (
+      ", a larger share of the device (memory_budget='100%')")
+    return ValueError(f'The train step of {what} needs {format_memory(need)} ({need} bytes), more than '
+                      f'{self.budget_of.describe()}. Use remat=True, fewer time steps, smaller batches{share} or a '
+                      f'device with more memory.')
+
+  def _measured(self, compile_: Callable, trial: bool, budget: Optional[Callable[[], int]] = None) -> Callable:
     """``compile_`` (a quick probe, or with ``trial`` a compilation for training), with XLA's refusal of a
     program too large for the device taken as a measurement: the candidate does not fit, with the size the
-    refusal names (at least the budget plus one)."""
+    refusal names (at least ``budget()`` plus one; the planner's budget by default)."""
 
     def measured(plan, *batch):
       try:
@@ -313,7 +328,7 @@ class Planner:
       except Exception as error:  # noqa: BLE001 -- only the device's out-of-memory refusal is a measurement
         if not is_out_of_memory(error):
           raise
-        memory = StepMemory(refused_bytes(error, self.budget + 1), 0)
+        memory = StepMemory(refused_bytes(error, (budget or (lambda: self.budget))() + 1), 0)
         return _refused(memory) if trial else memory
 
     return measured
@@ -338,9 +353,11 @@ class Planner:
       else:
         (size, used, planned), remat = self._plan_fewest(share, request, via_window), None
     except ValueError as error:
+      if isinstance(error, TooSmall) and self.budget_of.from_device:  # no memory_budget to raise: other fixes
+        error = self._device_too_small(f'batch {batch_size}, even at one sample per micro-batch,', error.need)
       if self.mesh_axis is None:
         self._store(key, {'fits': False, 'error': str(error)})
-        raise
+        raise error from None
       raise ValueError(f'{error} With the mesh, each of the {self.devices} devices holds {share} samples of the '
                        f'batch of {batch_size}, and memory_budget is per device.') from None
     # the largest micro-batch that fits (with remat='auto' the fastest plan may cut finer): how streaming ranks chunks
@@ -458,11 +475,12 @@ class Planner:
     if request.step_time is not None:
       return request.step_time([plan_of(s, r) for s, r in pairs])
     steps = [compile_(*pair) for pair in pairs]
+    fitting = [step for step in steps if step.memory.total <= self.budget]  # (a refused one is never run)
     request.compilers.before_timing()
     # two interleaved runs each, the faster kept: the first run of a new executable is the slow one (about
     # 20% on CPU), so this is the second's time, for one run less per candidate than a warm-up and two rounds
-    seconds = time_steps([step.run for step in steps], rounds=2, warm_up=False, estimate=min)
-    return [t if step.memory.total <= self.budget else float('inf') for t, step in zip(seconds, steps)]
+    seconds = iter(time_steps([step.run for step in fitting], rounds=2, warm_up=False, estimate=min))
+    return [next(seconds) if step.memory.total <= self.budget else float('inf') for step in steps]
 
   # ------------------------------------------------------------------ streaming
 
@@ -504,6 +522,8 @@ class Planner:
     """No chunk fits: the error that names what streaming one sample at a time needs (``need``), or the whole
     batch's own (planning it, where arithmetic skipped it)."""
     budget, batch_size = self.budget, request.layout.batch_size
+    if need is not None and need > budget and self.budget_of.from_device:
+      raise self._device_too_small(f'batch {batch_size}, even streamed from the host one sample at a time,', need)
     if need is not None and need > budget:  # the whole batch's error would name the need of the unstreamed step
       raise ValueError(f'{self.budget_of.named()} ({budget} bytes) is too small for batch {batch_size}: its step '
                        f'does not fit with its data on the device, and streamed from the host one sample at a '

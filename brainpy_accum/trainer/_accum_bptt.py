@@ -336,7 +336,8 @@ class AccumBPTT(bp.BPTT):
                          without_time_step_bars=self._quiet, window=self._window,
                          metric_plan=lambda: self._steps.metric_rules,
                          plan_cached=self.planner.is_cached, plan_chunk=self.planner.plan_chunk,
-                         whole_batch_loss=self._step_func_loss, keep_history=self._keep_history)
+                         whole_batch_loss=self._step_func_loss, keep_history=self._keep_history,
+                         wait_check=self._check.wait)
     run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
             batch_size, checkpoint, checkpoint_every)
 
@@ -401,7 +402,8 @@ class AccumBPTT(bp.BPTT):
   @property
   def memory_plans(self) -> Dict[int, Tuple[MicroBatchPlan, int]]:
     """With ``num_micro_batch='auto'``: ``{batch_size: (plan, bytes)}`` of every batch (or streamed chunk) size
-    planned, the plan and its train step's memory by XLA's analysis (:attr:`planner`'s)."""
+    planned, the plan and its train step's memory by XLA's analysis, with the next batch where it is sent to the
+    device beside the step (:attr:`planner`'s)."""
     return self.planner.memory_plans
 
   @property

@@ -88,11 +88,11 @@ def check_remat(remat, num_micro_batch=None, memory_budget=None) -> None:
     if num_micro_batch != 'auto':
       raise ValueError(f"remat='auto' lets the memory planner choose remat together with the micro-batches, so it "
                        f"needs num_micro_batch='auto' and a memory_budget; got {num_micro_batch=} and "
-                       f"{memory_budget=}. Add num_micro_batch='auto', memory_budget='2GiB', or choose "
-                       f"remat=True or False yourself.")
+                       f"{memory_budget=}. Add num_micro_batch='auto' (and on a CPU memory_budget='2GiB'; on a "
+                       f"GPU or TPU the device's own memory is the budget), or choose remat=True or False yourself.")
     return
   check_positive_int('remat', remat, "Use remat=True (segments of sqrt(T) steps), an int segment length, False, or "
-                                     "'auto' (with num_micro_batch='auto' and a memory_budget).")
+                                     "'auto' (with num_micro_batch='auto').")
 
 
 def check_update_args(grad_reduction, loss_weight_fn, clip_grad_norm, skip_nonfinite) -> None:

@@ -113,7 +113,7 @@ class CompiledSteps:
   def use_found(self, found: Dict[str, str]) -> None:
     """The first-batch check found how undeclared metrics combine: steps traced before with other rules (the
     planner's, when the check could not run before it) are traced again."""
-    if self._metric_plans:
+    if found and self._metric_plans:  # (nothing found but means: what was traced stands)
       self._metric_plans.clear()
       self.rebuild()
     self.found_reductions.update(found)

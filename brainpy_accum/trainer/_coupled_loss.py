@@ -383,7 +383,10 @@ class FirstBatchCheck:
     ``None`` where there is nothing to check: ``start()`` checks the loss, on the values the Variables hold
     then (fit calls it once the first step is dispatched, so that the check's tracing overlaps the step's run;
     nothing the check computes depends on those values), and returns ``finish()`` for fit to call after the
-    first step when the check runs beside it, else ``None``.
+    first step when the check runs beside it, else ``None``. With ``loss_has_aux`` the check has started
+    already when this returns (how undeclared metrics combine shapes the train step, so it is found first; where
+    it is found only after planning compiled a step, that step is traced again): ``start()`` returns its
+    ``finish()``, and :meth:`wait` waits for it where fit has no use for it.
     ``before_planning`` (``num_micro_batch='auto'``, a batch not planned yet): cut in two, so that it can start
     before planning and compile beside the planner's search (its cut does not wait for the plan, and is the
     same whether the plan is searched or read from the plan cache); only where it can (jit, no mesh, the

@@ -39,8 +39,8 @@ class TrainerParts(NamedTuple):
   check_batch: Callable[[Any, Any], Any]         # (inputs, targets) -> BatchLayout; raises before anything changes
   place_on_mesh: Callable[[int], None]           # (batch_size): the Variables on the mesh (nothing without one)
   # (shared_args, inputs, targets[, before_planning]): the first batch's loss check, once: checks the model's
-  # states now, returns start() (or None), which starts the loss check and returns its finish() when it runs
-  # beside the first step (or, before_planning, beside the planner)
+  # states now, returns start() (or None; with metrics the check has started already), which starts the loss
+  # check and returns its finish() when it runs beside the first step (or, before_planning, beside the planner)
   check_loss_once: Callable[..., Optional[Callable[[], Optional[Callable[..., None]]]]]
   # (batch_size, error, inputs, targets, shared_args) -> what changed, after running out of memory (or raises)
   replan_finer: Callable[..., str]
@@ -53,6 +53,7 @@ class TrainerParts(NamedTuple):
   plan_chunk: Callable[..., Any] = None  # (inputs, targets, shared_args): the plan of a streamed batch's chunk
   whole_batch_loss: Callable[..., Any] = None  # (shared_args, inputs, targets): bp.BPTT's loss of the whole batch
   keep_history: Callable[..., None] = None  # (report, detailed train metrics, report, detailed test metrics)
+  wait_check: Callable[[], None] = lambda: None  # wait for the first-batch check if it runs (no report)
 
 
 class LoopOptions(NamedTuple):
@@ -187,10 +188,12 @@ def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epo
       _batch_done(trainer, log, run, bar, phase, update, options, checking)
       stop.check()
     _finish(checking)
+    parts.wait_check()  # one started ahead and then not needed (a batch in one piece): no thread outlives fit
     if options.num_report <= 0:
       _emit(trainer, log, epoch, 'epoch', phase, bar, options.fun_after_report)
   except BaseException:
     _finish(checking)  # no thread of the check outlives fit; the step it accompanied ran: its warnings apply
+    parts.wait_check()
     raise
   finally:
     if bar is not None:
@@ -360,12 +363,14 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
   finals: Dict[str, list] = {name: [] for name in states}
   sizes, results, weights = chunk_sizes(layout.batch_size, chunk), [], []
   starts = list(itertools.accumulate([0] + sizes[:-1]))
-  chunks = [(host_chunk(inputs, layout.input_axes, start, size), host_chunk(targets, layout.target_axes, start, size))
-            for start, size in zip(starts, sizes)]
+  # sliced when needed (NumPy slices are views; slices of device data are copies: one at a time)
+  chunk_at = lambda i: (host_chunk(inputs, layout.input_axes, starts[i], sizes[i]),
+                        host_chunk(targets, layout.target_axes, starts[i], sizes[i]))
   ahead, sent = Ahead(), None  # the next chunk on its way to the device while this one's step runs
   with declared_batch_axes(states.values()):
     for i, (start, size) in enumerate(zip(starts, sizes)):
-      (x, y), fed = chunks[i], sent or chunks[i]
+      x, y = chunk_at(i)
+      fed = sent or (x, y)
       for name, (var, axis) in states.items():
         var.value = jax.lax.dynamic_slice_in_dim(whole[name], start, size, axis=axis)  # one program for all starts
       parts.plan_chunk(x, y, options.shared_args)  # the shorter last chunk has its own plan
@@ -376,7 +381,7 @@ def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, option
       with _finishing(finish), _closing(parts.window, kind == 'close' and not last):
         results.append(_run_step(trainer, parts, phase, kind, options, *fed, size))
       ahead.dispatched(results[-1][0])
-      sent = ahead.send(chunks[i + 1]) if i + 1 < len(chunks) else None
+      sent = ahead.send(chunk_at(i + 1)) if i + 1 < len(sizes) else None
       # read as numbers with the results, at the end: reading one now would wait for the device
       weights.append(size if trainer.loss_weight_fn is None else trainer.loss_weight_fn(*fed))
       for name, (var, _) in states.items():

@@ -6,6 +6,8 @@ A GPU or TPU reports its memory limit, and XLA refuses at compile time a program
 step is refused gets an error naming the cut that fits. The same on a real device: ``test_accelerator.py``.
 """
 
+import re
+
 import brainpy as bp
 import numpy as np
 import pytest
@@ -185,3 +187,32 @@ def test_the_batch_sent_ahead_counts_in_the_plan(sizes):
       plans[overlap] = trainer.plan_memory(x, y), trainer.memory_plans[SIZE][1]
   assert plans[False][0].num_micro_batches == 2 and plans[True][0].num_micro_batches > 2
   assert plans[True][1] <= budget and plans[False][1] == sizes['half']
+
+
+def test_a_refused_fixed_cut_whose_halves_are_refused_too_names_the_finer_cut_that_fits(monkeypatch, sizes):
+  """The search for the cut that fits takes every refusal on its way as a measurement too (a device that refuses
+  the whole batch and its halves, not its quarters)."""
+  limit = (sizes['half'] + int(sizes['quarter'] / (1 - DEVICE_MARGIN)) + 2048) // 2
+  assert sizes['quarter'] / (1 - DEVICE_MARGIN) + 1024 < limit < sizes['half']  # the case this test is about
+  trainer = _trainer(num_micro_batch=1)
+  with simulated_device(monkeypatch, limit) as refused:
+    with pytest.raises(MemoryError, match=r'num_micro_batch=1\) does not fit the device: .* needs at least .* '
+                                          r'nothing was run or changed\. num_micro_batch=(\d+) fits') as error:
+      trainer.fit(_batches(), num_epoch=1)
+  fits = int(re.search(r'num_micro_batch=(\d+) fits', str(error.value)).group(1))
+  assert fits > 2 and len(refused) >= 2  # the whole batch's step and its halves' refused, a finer cut named
+
+
+def test_a_device_too_small_for_one_sample_names_the_fixes_that_remain(monkeypatch):
+  """With the device's own memory as the budget there is no memory_budget to raise: the error names the device's
+  budget and the other fixes, before anything changes."""
+  with simulated_device(monkeypatch, 30_000):
+    trainer = _trainer(num_micro_batch='auto', cache=False)
+    before = params_of(trainer.target)
+    with pytest.raises(ValueError, match=r"The train step of batch 24, even streamed from the host one sample at a "
+                                         r"time, needs .* "
+                                         r"more than the device's memory \(.* of TPU \(simulated on the CPU\): its "
+                                         r"limit .* and a margin of 5%\)\. Use remat=True, fewer time steps, smaller "
+                                         r"batches or a device with more memory\."):
+      trainer.fit(_batches(), num_epoch=1)
+  assert_trees_close(params_of(trainer.target), before, rtol=0, atol=0)

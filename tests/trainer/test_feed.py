@@ -10,12 +10,14 @@ import re
 import weakref
 
 import brainpy as bp
+import brainpy.math as bm
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
+from brainpy_accum.core._states import values_restored
 from brainpy_accum.trainer import _feed, _fit_loop
 from brainpy_accum.trainer._feed import Feed, on_device, overlapping, prefetch_bytes, sends_ahead
 from helpers import assert_trees_close, make_batches, make_model, mse_with_aux, optimizer_state, params_of
@@ -358,6 +360,9 @@ def test_streamed_chunks_go_ahead_one_by_one_bit_for_bit(sent, tmp_path):
     trainer = AccumBPTT(make_model('snn', n_in=64), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.01),
                         num_micro_batch='auto', memory_budget=budget, progress_bar=False, cache=tmp_path,
                         loss_weight_fn=lambda x, y: jnp.asarray(x.shape[0], jnp.float32))
+    with overlapping(True), values_restored([bm.random.DEFAULT]):  # both plan alike, with the chunk sent ahead
+      trainer.target.reset(24)  # beside each step counted (the reset's random draws put back: fit's are bp.BPTT's)
+      trainer.plan_memory(*batches[0])
     with overlapping(overlap):
       trainer.fit(batches, num_epoch=1)
     results.append([params_of(trainer.target), optimizer_state(trainer), trainer.train_losses,
