@@ -78,16 +78,20 @@ NEEDS_ACCELERATOR = "needs a GPU or TPU: jax.default_backend() is 'cpu'"
 
 def pytest_collection_modifyitems(config, items):
   """Long tests get their CI leg's marker; without ``--long`` they are deselected (not skipped: they are not
-  part of this run). Tests marked ``accelerator`` skip on the CPU, saying why."""
+  part of this run). Tests marked ``accelerator`` skip on the CPU, those marked ``cpu_only(reason)`` off it,
+  saying why."""
   for item in items:
     if item.get_closest_marker('long'):
       item.add_marker(long_leg_marker(item.path.name))
-  if any(item.get_closest_marker('accelerator') for item in items):
+  if any(item.get_closest_marker('accelerator') or item.get_closest_marker('cpu_only') for item in items):
     import jax
-    if jax.default_backend() == 'cpu':
-      for item in items:
-        if item.get_closest_marker('accelerator'):
-          item.add_marker(pytest.mark.skip(reason=NEEDS_ACCELERATOR))
+    on_cpu = jax.default_backend() == 'cpu'
+    for item in items:
+      if on_cpu and item.get_closest_marker('accelerator'):
+        item.add_marker(pytest.mark.skip(reason=NEEDS_ACCELERATOR))
+      only = item.get_closest_marker('cpu_only')
+      if not on_cpu and only:
+        item.add_marker(pytest.mark.skip(reason=f'CPU only, on {jax.default_backend()}: {only.args[0]}'))
   if config.getoption('--long'):
     return
   long_items = [item for item in items if item.get_closest_marker('long')]

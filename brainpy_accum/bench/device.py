@@ -336,6 +336,20 @@ def _key(facts: dict) -> str:
   return f"{facts['platform']}: {facts['kind']}"
 
 
+def _merged(before: Optional[dict], run: dict) -> dict:
+  """``run``, with the rows of ``before`` (the same device's stored run) at the batch sizes and workloads that
+  ``run`` did not measure, where both used the same network shape and settings: a device whose time is short
+  measures its batch sizes in several calls."""
+  same = ('shape', 'epoch', 'rounds', 'budget')
+  if not before or any(before.get(k) != run.get(k) for k in same):
+    return run
+  measured = {(row['workload'], row['batch']) for row in run['rows']}
+  kept = [row for row in before['rows'] if (row['workload'], row['batch']) not in measured]
+  rows = sorted(kept + run['rows'], key=lambda row: (row['workload'], row['batch']))
+  return dict(run, rows=rows, batches=sorted({row['batch'] for row in rows}),
+              commands=before.get('commands', [before['facts']['command']]) + [run['facts']['command']])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.device', description=__doc__.split('\n')[0])
@@ -363,7 +377,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   if os.path.exists(stored):
     with open(stored) as f:
       data = json.load(f)
-  data['runs'][_key(facts)] = run  # other devices' runs are kept
+  data['runs'][_key(facts)] = _merged(data['runs'].get(_key(facts)), run)  # other devices' runs are kept
   with open(stored, 'w') as f:
     json.dump(data, f, indent=1)
   report = device_report(data)

@@ -52,10 +52,12 @@ def _compiled(trainer, x, y, num_micro_batch=1):
 
 def _size_for(fraction: float) -> int:
   """The batch size whose step in one piece needs about ``fraction`` of the device, by XLA's bytes per sample
-  (the slope between batches of 64 and 128 samples)."""
+  (the slope between batches of 1024 and 2048 samples: small batches are padded to the hardware's tiles, on a
+  TPU to 128 rows and more, so that the slope between smaller ones says little)."""
   trainer = _trainer(num_micro_batch=1)
-  small, large = (compiled_step_bytes(_compiled(trainer, *_batch(size))) for size in (ROWS, 2 * ROWS))
-  return ROWS * max(1, round(fraction * _device_limit() / ((large - small) / ROWS) / ROWS))
+  small, large = (compiled_step_bytes(_compiled(trainer, *_batch(size))) for size in (16 * ROWS, 32 * ROWS))
+  assert large > small, (small, large)
+  return ROWS * max(1, round(fraction * _device_limit() / ((large - small) / (16 * ROWS)) / ROWS))
 
 
 @pytest.fixture(scope='module')

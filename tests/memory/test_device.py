@@ -14,13 +14,15 @@ import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.memory._device import DEVICE_MARGIN, Budget
-from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
+from helpers import SIMULATED_DEVICE, assert_trees_close, make_batches, make_model, optimizer_state, params_of
 from brainpy_accum.trainer._feed import overlapping, prefetch_bytes
 from simulated_device import simulated_device
 from test_stream import _batches as stream_batches, _budget as stream_budget, _model as stream_model
 
 FIT = bp.tools.DotDict(fit=True)
 SIZE, N_IN, N_HIDDEN, N_OUT, T = 24, 4, 32, 3, 20
+
+pytestmark = SIMULATED_DEVICE
 
 
 def _model():

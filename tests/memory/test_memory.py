@@ -9,7 +9,7 @@ import pytest
 from brainpy_accum import AccumBPTT, parse_memory, plan_micro_batches
 from brainpy_accum.memory._budget import step_memory
 from brainpy_accum.memory._live import temp_bytes_at_least
-from helpers import assert_trees_close, make_batches, make_model, params_of
+from helpers import NO_DEVICE_LIMIT, TINY_SIZES, assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)
 
@@ -37,6 +37,7 @@ def test_remat_gives_the_same_training_as_storing_every_step(remat):
   assert_trees_close(results[1], results[0])
 
 
+@TINY_SIZES
 def test_remat_halves_the_working_memory_of_long_sequences():
   # A hidden size of whole TPU tiles (256 = 2 x 128), so that the states each step stores, which remat keeps
   # one of per segment, are most of the working memory on every platform: a TPU pads the 8 inputs of each step
@@ -52,6 +53,7 @@ def test_remat_halves_the_working_memory_of_long_sequences():
   assert temp[True] <= 0.5 * temp[False], temp
 
 
+@TINY_SIZES
 def test_memory_falls_with_the_micro_batch_size_even_with_a_short_micro_batch():
   x, y = _batch()
   trainer = _trainer(num_micro_batch='auto', memory_budget='1GiB')
@@ -63,6 +65,7 @@ def test_memory_falls_with_the_micro_batch_size_even_with_a_short_micro_batch():
   assert used == sorted(used, reverse=True), dict(zip(sizes, used))
 
 
+@TINY_SIZES
 def test_planner_picks_the_fewest_micro_batches_that_fit():
   x, y = _batch()
   probe = _trainer(num_micro_batch='auto', memory_budget='1GiB')
@@ -128,6 +131,7 @@ def _gru():
     return _GRU()
 
 
+@TINY_SIZES
 @pytest.mark.parametrize('model, num_time, remat', [
   ('rnn', 12, False), ('rnn', 12, True), ('rnn', 1, False), ('snn', 12, False), ('snn', 12, True), ('gru', 12, False)])
 def test_traced_lower_bound_of_the_step_never_exceeds_xlas_memory(model, num_time, remat):
@@ -147,6 +151,7 @@ def test_traced_lower_bound_of_the_step_never_exceeds_xlas_memory(model, num_tim
     assert temp <= used.total - used.fixed and bound <= used.total, (micro_batch_size, via_window, temp, used)
 
 
+@TINY_SIZES
 def test_traced_lower_bound_is_close_enough_to_rule_sizes_out():
   """The bound counts the stacked residuals of the time loop, most of a long sequence's working memory: at least
   half of XLA's temporaries. The residuals are whole TPU tiles ((8, 128): 256 units, 16 samples), where they
@@ -191,7 +196,8 @@ def test_memory_budget_strings(text, size):
 
 
 @pytest.mark.parametrize('kwargs, error, message', [
-  ({'num_micro_batch': 'auto'}, ValueError, "needs memory_budget, e.g. memory_budget='2GiB'"),
+  pytest.param({'num_micro_batch': 'auto'}, ValueError, "needs memory_budget, e.g. memory_budget='2GiB'",
+               marks=NO_DEVICE_LIMIT),
   ({'num_micro_batch': 'auto', 'memory_budget': '2 apples'}, ValueError, "memory_budget='2 apples' is not a size"),
   ({'num_micro_batch': 'auto', 'memory_budget': 2.5}, TypeError, 'memory_budget=2.5 must be bytes'),
   ({'num_micro_batch': 4, 'memory_budget': '1GiB'}, ValueError, "only used with num_micro_batch='auto'"),

@@ -8,7 +8,7 @@ import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.memory._fastest import choose_fastest_plan, finer_sizes
-from helpers import assert_trees_close, make_batches, make_model, params_of
+from helpers import NO_DEVICE_LIMIT, TINY_SIZES, assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)
 NUM_TIME = 60
@@ -62,6 +62,7 @@ def test_remat_auto_without_the_memory_planner_is_named(kwargs):
     _trainer(**kwargs)
 
 
+@NO_DEVICE_LIMIT
 def test_remat_auto_without_a_budget_is_named():
   with pytest.raises(ValueError, match="needs memory_budget"):
     _trainer(num_micro_batch='auto', remat='auto')
@@ -102,6 +103,7 @@ def test_finer_cuts_have_twice_and_four_times_the_micro_batches(batch_size, size
   assert finer_sizes(batch_size, size, 2) == expected
 
 
+@TINY_SIZES
 def test_planner_chooses_remat_where_it_is_the_faster_fit_and_trains_as_bptt(remat_only_budget, capsys):
   x, y, budget = remat_only_budget
   small = make_batches((12,), num_time=NUM_TIME, n_in=8, n_out=4, seed=1)[0]
@@ -135,6 +137,7 @@ def test_planner_chooses_remat_where_it_is_the_faster_fit_and_trains_as_bptt(rem
   assert trainer.compiled_step_bytes(None, FIT, x, y) == used  # the step compiled with the plan's remat
 
 
+@TINY_SIZES
 def test_planning_with_trial_steps_changes_nothing(remat_only_budget):
   x, y, budget = remat_only_budget
   bm.random.seed(3)
@@ -149,6 +152,7 @@ def test_planning_with_trial_steps_changes_nothing(remat_only_budget):
   assert plan.micro_batch_size in {c.micro_batch_size for c in weighed if c.fits}
 
 
+@TINY_SIZES
 @pytest.mark.parametrize('remat', [False, True, 7])
 def test_fixed_remat_keeps_the_memory_only_plan(remat, remat_only_budget):
   x, y, budget = remat_only_budget

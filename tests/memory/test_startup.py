@@ -18,7 +18,7 @@ from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting
 from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
 from brainpy_accum.memory._plan_key import _code
-from helpers import assert_trees_close, make_batches, make_model, params_of
+from helpers import TINY_SIZES, assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)
 SIZE, NUM_TIME = 24, 20
@@ -109,6 +109,7 @@ def test_answer_is_always_measured_even_where_memory_is_far_from_a_line():
   assert found == (29, 290) and 29 in probed and 30 in probed
 
 
+@TINY_SIZES
 @pytest.mark.parametrize('remat', [False, 'auto'])
 def test_predicted_plan_fits_by_xla_and_trains_as_the_same_fixed_plan(data, remat):
   batches, budget, need = data

@@ -19,7 +19,7 @@ from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.memory._budget import candidate_micro_batch_sizes, step_memory
 from brainpy_accum.memory._stream import best_chunk, chunk_candidates, chunk_sizes, combine
-from helpers import (assert_trees_close, make_batches, make_model, optimizer_state, params_of, step_bytes,
+from helpers import (TINY_SIZES, assert_trees_close, make_batches, make_model, optimizer_state, params_of, step_bytes,
                      streaming_budget)
 from test_training_loop import windows
 
@@ -104,6 +104,7 @@ def test_streamed_chunk_with_nan_is_left_out_and_the_clipped_update_is_that_of_t
   assert_trees_close(optimizer_state(trainer), optimizer_state(reference))  # moments: one update per batch
 
 
+@TINY_SIZES
 def test_larger_chunk_ruled_out_by_the_same_cut_of_a_smaller_chunk_does_not_fit(monkeypatch):
   """remat='auto': a larger chunk is not probed for the micro-batches that would win when the same cut,
   measured in a smaller chunk, plus the larger chunk's extra data and states, exceeds the budget; measured
@@ -206,6 +207,7 @@ def test_streamed_rerun_takes_its_chunk_from_the_plan_cache(tmp_path, capsys):
   assert_trees_close(params_of(third.target), params_of(first.target))
 
 
+@TINY_SIZES
 def test_chunk_size_planned_before_as_a_batch_is_planned_again_through_the_window():
   """A batch of 12 planned first (its plain step), then a batch streamed in chunks: a chunk's step passes
   through the window and needs more memory, so a chunk size planned as a plain batch is planned again. The
@@ -241,6 +243,7 @@ def _mean_over_samples(predicts, targets):  # not BrainPy's own MSE, so that the
   return bm.mean((predicts - targets) ** 2)
 
 
+@TINY_SIZES
 def test_streamed_chunks_trained_in_one_piece_still_get_the_loss_check():
   """Chunks of 2 trained as one micro-batch (the budget is that step's bytes, so no larger micro-batch fits
   any chunk): the chunks combine like micro-batches, so a loss that couples the samples must warn (the check

@@ -22,12 +22,26 @@ import brainpy as bp
 import brainpy.math as bm
 import jax
 import numpy as np
+import pytest
 
 from brainpy_accum import plan_micro_batches
 from brainpy_accum.memory._budget import step_memory
 
 # float32 round-off of summing micro-batch gradients in another order, after a few Adam steps (see above).
 RTOL, ATOL = 1e-5, 1e-6
+
+# Tests of what only a CPU does or measures (skipped off it, with the reason: tests/conftest.py).
+NO_DEVICE_LIMIT = pytest.mark.cpu_only(
+  "a CPU reports no memory limit, so 'auto' needs a memory_budget there; on a GPU or TPU it plans against the "
+  "device's own memory (tests/memory/test_accelerator.py)")
+TINY_SIZES = pytest.mark.cpu_only(
+  "XLA's sizes of a tiny network's step: on a TPU v5e its tile padding sets them, not the micro-batch (measured "
+  "there: the same 1,504,256 bytes at micro-batches of 16 and 24, a remat step larger than the stored one); "
+  "tests/memory/test_accelerator.py tests planning at the device's scale")
+SIMULATED_DEVICE = pytest.mark.cpu_only(
+  "a device simulated on the CPU's compiler (tests/support/simulated_device.py); on a GPU or TPU "
+  "tests/memory/test_accelerator.py tests the real device")
+
 
 
 def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):

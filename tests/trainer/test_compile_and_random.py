@@ -6,7 +6,7 @@ import jax
 import numpy as np
 
 from brainpy_accum import AccumBPTT
-from helpers import make_batches, make_model
+from helpers import TINY_SIZES, make_batches, make_model
 
 
 def test_train_step_is_traced_and_compiled_once_per_batch_shape():
@@ -62,6 +62,7 @@ def _temp_bytes(num_micro_batch):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@TINY_SIZES
 def test_micro_batches_shrink_the_compiled_steps_working_memory():
   """XLA's compile-time analysis (deterministic): only one micro-batch's activations are alive."""
   whole, quarter = _temp_bytes(1), _temp_bytes(4)
