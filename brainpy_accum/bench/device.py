@@ -346,7 +346,7 @@ def _merged(before: Optional[dict], run: dict) -> dict:
   measured = {(row['workload'], row['batch']) for row in run['rows']}
   kept = [row for row in before['rows'] if (row['workload'], row['batch']) not in measured]
   rows = sorted(kept + run['rows'], key=lambda row: (row['workload'], row['batch']))
-  return dict(run, rows=rows, batches=sorted({row['batch'] for row in rows}),
+  return dict(run, rows=rows, batches=sorted({row['batch'] for row in rows}), notes=before.get('notes', []),
               commands=before.get('commands', [before['facts']['command']]) + [run['facts']['command']])
 
 

@@ -271,7 +271,8 @@ def _run_section(facts: dict, run: dict) -> List[str]:
             'CPU the "device" is the host\'s memory: there is no transfer to hide, and a jitted step takes a NumPy '
             'array more cheaply than a copy made ahead, so on a CPU `fit` hands each batch to its step (the column '
             '"NumPy, with its step"), and sends batches ahead only on an accelerator.', '']
-  out += [f"- Command: `{facts['command']}`; {facts['date']}.",
+  commands = '; '.join(f'`{c}`' for c in run.get('commands', [facts['command']]))
+  out += [f"- Command{'s' if len(run.get('commands', ())) > 1 else ''}: {commands}; {facts['date']} (the last).",
           f"- Device: {facts['kind']} x {facts['count']} ({facts['platform']}), memory limit "
           f"{_fmt_bytes(facts['memory_limit'])}; host {facts['host']}.",
           '- Versions: ' + ', '.join(f'{k} {v}' for k, v in facts['versions'].items()) + '.',
@@ -288,6 +289,8 @@ def _run_section(facts: dict, run: dict) -> List[str]:
           '']
   for workload in dict.fromkeys(r['workload'] for r in run['rows']):
     out += _workload_table(workload, [r for r in run['rows'] if r['workload'] == workload], peak, fit_gives)
+  if run.get('notes'):  # measured on the same device beside the benchmark (kept in accelerator.json)
+    out += ['### Measured beside it', ''] + [f'- {note}' for note in run['notes']] + ['']
   return out
 
 

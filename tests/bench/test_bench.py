@@ -14,6 +14,8 @@ from brainpy_accum.bench.workloads import Shape
 
 TINY = Shape(batch=16, time=6, hidden=8, inputs=4)
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 
 def test_every_method_measures_and_reports(tmp_path):
   configs = [dict(method='bptt', num_micro_batch=1), dict(method='accum', num_micro_batch=2),
@@ -41,6 +43,7 @@ def test_rounds_alternate_order_and_ratios_are_per_round():
   assert per_round_ratio([1., 2., 4.], [1., 2., 2.]) == 1.
 
 
+@pytest.mark.extended  # CI leaves it out for its time budget (python -m pytest -q --long -m extended)
 @pytest.mark.long
 def test_quick_run_writes_report_json_and_figure(tmp_path):
   bench_main.main(['--quick', '--workloads', 'rnn', '--rounds', '1', '--parts', 'steps', '--out', str(tmp_path)])
@@ -51,6 +54,7 @@ def test_quick_run_writes_report_json_and_figure(tmp_path):
   assert (tmp_path / 'benchmark.png').stat().st_size > 0
 
 
+@pytest.mark.extended  # a benchmark's command at a quick size: minutes (CI leaves it out)
 @pytest.mark.long
 def test_largest_batch_grows_with_micro_batches():
   shape = TINY._replace(time=40, hidden=32)
@@ -59,6 +63,8 @@ def test_largest_batch_grows_with_micro_batches():
   four = largest_batch_within(budget, 'accum', 'rnn', shape, num_micro_batch=4)
   assert four > whole >= shape.batch
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 
 def test_soak_runs_without_recompiling(capsys):
   growth = soak.main(['--steps', '300', '--warmup', '100', '--every', '100'])
@@ -66,6 +72,7 @@ def test_soak_runs_without_recompiling(capsys):
   assert growth < 0.05  # the soak target, over a shorter run
 
 
+@pytest.mark.extended  # a benchmark's command at a quick size: minutes (CI leaves it out)
 @pytest.mark.long
 def test_quick_planner_and_streaming_parts_join_the_report(tmp_path):
   """The two other parts rerun alone, keeping the steps part from benchmark.json."""

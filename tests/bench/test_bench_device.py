@@ -40,6 +40,7 @@ def _check_trained(rows, workload, batch):
   assert rows[workload, batch, 'plain JAX + optax']['samples_per_s']['device'] > 0
 
 
+@pytest.mark.extended  # CI leaves it out for its time budget (python -m pytest -q --long -m extended)
 @pytest.mark.long  # the long suite (--long): a small run of the device part
 def test_device_part_records_a_refused_step_as_not_fitting_and_writes_its_files(tmp_path, monkeypatch):
   """bp.BPTT refused for memory (XLA's compile-time refusal, simulated): "does not fit" in the table, and the
@@ -72,6 +73,7 @@ def test_the_benchmark_runs_the_device_part_only_when_named(tmp_path, monkeypatc
   assert 'device' not in bench_main.PARTS  # not in the default run
 
 
+@pytest.mark.extended  # a benchmark's command at a quick size: minutes (CI leaves it out)
 @pytest.mark.long  # the long suite (--long): both networks, two batch sizes
 def test_quick_device_part_times_bptt_where_it_fits_and_stops_it_where_it_does_not(tmp_path, monkeypatch):
   _refuse_bptt_above(monkeypatch, 8)

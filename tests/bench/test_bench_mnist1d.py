@@ -27,6 +27,7 @@ def _tiny_data(n_train=48, n_test=20, seed=0):
                          rng.normal(size=(n_test, 40)).astype(np.float32), rng.randint(0, 10, n_test))
 
 
+@pytest.mark.extended  # CI leaves it out for its time budget (python -m pytest -q --long -m extended)
 @pytest.mark.long  # about 10 s of compilations (bp.BPTT's step, the planner's candidates, the train step)
 def test_tiny_recurrent_run_gives_a_row_whose_bptt_step_does_not_fit():
   """A tiny recurrent network on random signals: the budget set under bp.BPTT's step, the planner cuts the batch."""
@@ -51,6 +52,7 @@ def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
+@pytest.mark.extended  # a benchmark's command at a quick size: minutes (CI leaves it out)
 @pytest.mark.long
 def test_cli_writes_json_rows_for_both_networks_and_the_rate_regulariser(tmp_path):
   """The benchmark's own models, budgets and batches, shortened to 1 epoch on 256 training signals."""

@@ -6,6 +6,7 @@ from brainpy_accum.bench import whole_batch
 
 pytestmark = pytest.mark.long  # the long suite (--long): CI runs it on one long leg (tests/conftest.py)
 
+@pytest.mark.extended  # CI leaves it out for its time budget (python -m pytest -q --long -m extended)
 
 def test_quick_run_writes_the_page_with_every_row(tmp_path):
   measured = whole_batch.main(['--quick', '--out', tmp_path])

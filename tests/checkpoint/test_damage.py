@@ -163,6 +163,7 @@ def test_random_bytes_and_overwritten_ranges_are_refused(saved, data):
   _assert_refused(saved, content)
 
 
+@pytest.mark.extended  # CI leaves it out for its time budget (python -m pytest -q --long -m extended)
 @pytest.mark.long  # the long suite (--long): about 2 x 8,000 loads
 def test_every_offset_flipped_and_every_truncation_is_refused(saved):
   masks = np.random.RandomState(0).randint(1, 256, size=len(saved.content))

@@ -155,6 +155,7 @@ def test_without_a_device_limit_the_budget_must_be_named():
     _trainer(num_micro_batch='auto', memory_budget='150%')
 
 
+@pytest.mark.extended  # CI leaves it out for its time budget (python -m pytest -q --long -m extended)
 @pytest.mark.long  # the long suite (--long): a chunk search, as test_stream.py's
 def test_a_batch_larger_than_the_device_is_streamed_in_chunks_it_holds(monkeypatch):
   """No budget named, a batch whose data is three times the device: streamed from the host in chunks whose steps

@@ -24,7 +24,7 @@ def _trainer(**kwargs):
                    **kwargs)
 
 
-@pytest.mark.parametrize('remat', [True, 7])
+@pytest.mark.parametrize('remat', [True, pytest.param(7, marks=(pytest.mark.long, pytest.mark.extended))])
 def test_remat_gives_the_same_training_as_storing_every_step(remat):
   batches = make_batches((10, 7), num_time=30)
   results = []

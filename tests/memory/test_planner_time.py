@@ -103,6 +103,8 @@ def test_finer_cuts_have_twice_and_four_times_the_micro_batches(batch_size, size
   assert finer_sizes(batch_size, size, 2) == expected
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 @TINY_SIZES
 def test_planner_chooses_remat_where_it_is_the_faster_fit_and_trains_as_bptt(remat_only_budget, capsys):
   x, y, budget = remat_only_budget

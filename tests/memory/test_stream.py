@@ -71,6 +71,8 @@ def test_batch_whose_step_does_not_fit_streams_and_trains_as_bptt():
     trainer.fit(batches, num_epoch=1)
   assert compiled() == 0
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 
 def test_streamed_chunk_with_nan_is_left_out_and_the_clipped_update_is_that_of_the_other_chunks():
   """Every chunk runs the same compiled step, whose update only the last chunk's flag applies: a non-finite
@@ -104,6 +106,8 @@ def test_streamed_chunk_with_nan_is_left_out_and_the_clipped_update_is_that_of_t
   assert_trees_close(optimizer_state(trainer), optimizer_state(reference))  # moments: one update per batch
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 @TINY_SIZES
 def test_larger_chunk_ruled_out_by_the_same_cut_of_a_smaller_chunk_does_not_fit(monkeypatch):
   """remat='auto': a larger chunk is not probed for the micro-batches that would win when the same cut,
@@ -207,6 +211,8 @@ def test_streamed_rerun_takes_its_chunk_from_the_plan_cache(tmp_path, capsys):
   assert_trees_close(params_of(third.target), params_of(first.target))
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 @TINY_SIZES
 def test_chunk_size_planned_before_as_a_batch_is_planned_again_through_the_window():
   """A batch of 12 planned first (its plain step), then a batch streamed in chunks: a chunk's step passes
@@ -243,6 +249,8 @@ def _mean_over_samples(predicts, targets):  # not BrainPy's own MSE, so that the
   return bm.mean((predicts - targets) ** 2)
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 @TINY_SIZES
 def test_streamed_chunks_trained_in_one_piece_still_get_the_loss_check():
   """Chunks of 2 trained as one micro-batch (the budget is that step's bytes, so no larger micro-batch fits
@@ -261,6 +269,8 @@ def test_streamed_chunks_trained_in_one_piece_still_get_the_loss_check():
     trainer.fit(batches, num_epoch=1)
   assert trainer.stream_chunks == {24: 2} and trainer.memory_plans[2][0].num_micro_batches == 1
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 
 def test_budget_below_one_sample_names_what_streaming_needs_and_that_figure_trains_as_bptt():
   """A budget that not even one sample at a time fits: the error names the budget that streaming one sample at
@@ -322,6 +332,8 @@ def test_batch_that_fits_is_not_streamed():
   trainer.fit(batches, num_epoch=1)
   assert trainer.stream_chunks == {} and trainer.memory_plans[8][0].num_micro_batches == 1
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 
 def test_first_batch_check_started_before_planning_stays_when_the_batch_is_streamed():
   """A batch whose data is well within the budget (so the loss check starts before planning) can still be

@@ -98,7 +98,8 @@ def _masked_mean(predicts, targets):
 
 @pytest.mark.parametrize('loss, options', [
   ('mean_squared_error', {}),
-  (_masked_mean, dict(loss_weight_fn=lambda x, y: np.float32(x.shape[0] * 3))),
+  pytest.param(_masked_mean, dict(loss_weight_fn=lambda x, y: np.float32(x.shape[0] * 3)),
+               marks=(pytest.mark.long, pytest.mark.extended)),
   (lambda p, t: bm.sum(bm.mean((p - t) ** 2, axis=(1, 2))), dict(grad_reduction='sum')),
 ], ids=['per_sample_mean', 'masked_mean_with_loss_weight_fn', 'sum'])
 def test_losses_that_accumulate_exactly_stay_silent(loss, options):
@@ -281,7 +282,7 @@ def test_per_sample_losses_are_silent_at_every_point(name):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize('num_micro_batch', [2, 7])
+@pytest.mark.parametrize('num_micro_batch', [2, pytest.param(7, marks=pytest.mark.extended)])
 def test_per_sample_losses_are_silent_on_large_batches(num_micro_batch):
   """The same on batches of 256 samples, 100 steps, 64 classes and neurons, cut in 2 or 7 (uneven): round-off
   stays far below the tolerances (gradients within 1e-6 of their largest entry, against GRAD_RTOL = 1e-4)."""

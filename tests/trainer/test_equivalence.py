@@ -129,6 +129,8 @@ def test_mean_reduction_of_summed_loss_differs():
   ref_params, _ = reference(Scenario(loss='sum', num_epoch=1))
   assert not all(np.allclose(p, r, rtol=1e-3) for p, r in zip(params, ref_params))
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 
 def test_without_jit_matches():
   trainer = assert_matches_reference(Scenario(sizes=(6, 5), jit=False, num_epoch=1), num_micro_batch=4)

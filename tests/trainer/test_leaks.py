@@ -60,6 +60,7 @@ def test_bptt_leaves_tracers_in_bp_share_where_accum_bptt_leaves_it_as_it_was():
   _accum_bptt_leaves_bp_share_as_it_was(batches, contextlib.nullcontext)
 
 
+@pytest.mark.extended  # CI leaves it out for its time budget (python -m pytest -q --long -m extended)
 @pytest.mark.long  # the long suite (--long): leak checking compiles everything anew
 def test_bptt_leaks_tracers_where_accum_bptt_traces_cleanly():
   """Under ``jax.checking_leaks()``: bp.BPTT's fit fails with a leaked trace; AccumBPTT's fit and predict pass and
@@ -114,13 +115,13 @@ def test_the_model_still_reads_the_steps_shared_values():
 
 # each option on one of the two networks, both networks on the first (leak checking compiles everything anew:
 # 20-35 s a trainer, so not every pair)
-@pytest.mark.long  # the long suite (--long): 6 trainers, each compiled
+@pytest.mark.long  # the long suite (--long): 6 trainers, each compiled (4 of them 'extended': CI leaves them out)
 @pytest.mark.parametrize('model, options', [
-  ('rnn', dict(num_micro_batch=3)),
-  ('snn', dict(num_micro_batch=3)),
+  pytest.param('rnn', dict(num_micro_batch=3), marks=pytest.mark.extended),
+  pytest.param('snn', dict(num_micro_batch=3), marks=pytest.mark.extended),
   ('snn', dict(num_micro_batch=3, accumulate_steps=2)),
-  ('rnn', dict(num_micro_batch=3, whole_batch_loss=True)),
-  ('snn', dict(num_micro_batch='auto', memory_budget='1GiB')),
+  pytest.param('rnn', dict(num_micro_batch=3, whole_batch_loss=True), marks=pytest.mark.extended),
+  pytest.param('snn', dict(num_micro_batch='auto', memory_budget='1GiB'), marks=pytest.mark.extended),
   ('rnn', dict(num_micro_batch='auto', memory_budget='1GiB', remat='auto', loss_has_aux=True)),
 ], ids=['N=3-rnn', 'N=3-snn', 'accumulate_steps=2-snn', 'whole_batch_loss-rnn', 'auto-snn', 'auto+remat+aux-rnn'])
 def test_every_traced_call_is_clean_under_checking_leaks(model, options):

@@ -207,7 +207,7 @@ def test_history_of_different_shapes_survives_a_checkpoint():
 
 
 @pytest.mark.long
-@pytest.mark.parametrize('declared', [DECLARED, None], ids=['declared', 'found'])
+@pytest.mark.parametrize('declared', [DECLARED, pytest.param(None, marks=pytest.mark.extended)], ids=['declared', 'found'])
 def test_streamed_chunks_record_bptt_metrics(declared):
   """Batches streamed from the host in chunks (no step that holds a whole batch fits the budget): the metrics
   combine chunk by chunk on the host, by the same rules, and equal bp.BPTT's batch by batch (learning rate 0, as
@@ -368,6 +368,8 @@ def test_target_with_two_axes_of_the_batch_size_trains_as_bptt(case):
     results.append((params_of(model), trainer.get_hist_metric('fit', 'loss', 'detailed')))
   assert_trained_alike(*results)
 
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.extended
 
 def test_loss_drawing_random_numbers_without_jit_is_placed_checked_and_trains_as_bptt():
   """jit=False, a loss with a metric that draws from bm.random, and one-hot targets whose batch axis is found by
