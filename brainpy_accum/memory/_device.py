@@ -24,8 +24,9 @@ __all__ = ['DEVICE_MARGIN', 'Budget', 'DeviceMemory', 'as_fraction', 'device_mem
 
 # Of the device's limit, kept free when the budget is the device's own: XLA's memory analysis counts the
 # program's buffers, not the runtime's own allocations, the executable itself or the allocator's fragmentation.
-# Not yet measured on an accelerator (no device was lent when this was written): the run-time retry
-# (:mod:`~brainpy_accum.memory._oom`) catches a plan that still does not fit.
+# On a TPU v5e plans of up to 14.7 GiB of its 15.75 GiB ran without a run-time out-of-memory error; where a
+# smaller margin fails was not measured. The run-time retry (:mod:`~brainpy_accum.memory._oom`) catches a plan
+# that still does not fit.
 DEVICE_MARGIN = 0.05
 
 
