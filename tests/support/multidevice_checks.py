@@ -207,13 +207,17 @@ def test_devices_draw_different_random_numbers(mesh):
 
   trainer = AccumBPTT(model, loss, num_micro_batch=1, mesh=mesh, progress_bar=False)
   x = np.ones((8, 4, 3), 'float32')  # identical samples, one per device
-  trainer.fit([(x, np.zeros((8, 4, 2), 'float32'))], num_epoch=1)
-  # The first batch's loss check records first: at each of its three random points (two random outputs and a
-  # third at other levels), the 8 one-sample micro-batch losses and the whole batch's: 27 calls, 3 on the whole
-  # batch. Then the step, one call per device.
+  batches = [(x, np.zeros((8, 4, 2), 'float32'))]
+  trainer.fit(batches, num_epoch=1)
+  # The first batch's loss check records too, beside the step (in any order): at each of its three random points
+  # (two random outputs and a third at other levels), the 8 one-sample micro-batch losses and the whole batch's:
+  # 27 calls, 3 on the whole batch. The step: one call per device.
   assert len(seen) == 35
-  assert sorted(s.shape for s in seen[:27]) == [(1, 4, 2)] * 24 + [(8, 4, 2)] * 3
-  outputs = np.concatenate([s.reshape(-1, 2) for s in seen[-8:]])
+  assert sorted(s.shape for s in seen) == [(1, 4, 2)] * 32 + [(8, 4, 2)] * 3
+  seen.clear()
+  trainer.fit(batches, num_epoch=1)  # the step alone (the check runs once)
+  assert len(seen) == 8
+  outputs = np.concatenate([s.reshape(-1, 2) for s in seen])
   assert len(np.unique(outputs.round(5), axis=0)) == len(outputs)
 
 
