@@ -54,7 +54,9 @@ def device_memory(device: Optional[jax.Device] = None) -> Optional[DeviceMemory]
     stats = None
   if not stats or 'bytes_limit' not in stats:
     return None
-  kind = f'{device.platform.upper()} {getattr(device, "device_kind", "")}'.strip()
+  kind = getattr(device, 'device_kind', '') or ''
+  if not kind.upper().startswith(device.platform.upper()):  # 'TPU v5 lite' names its platform already
+    kind = f'{device.platform.upper()} {kind}'.strip()
   return DeviceMemory(int(stats['bytes_limit']), int(stats.get('bytes_in_use', 0)), kind)
 
 
