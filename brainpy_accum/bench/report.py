@@ -271,8 +271,9 @@ def _run_section(facts: dict, run: dict) -> List[str]:
             'CPU the "device" is the host\'s memory: there is no transfer to hide, and a jitted step takes a NumPy '
             'array more cheaply than a copy made ahead, so on a CPU `fit` hands each batch to its step (the column '
             '"NumPy, with its step"), and sends batches ahead only on an accelerator.', '']
-  commands = '; '.join(f'`{c}`' for c in run.get('commands', [facts['command']]))
-  out += [f"- Command{'s' if len(run.get('commands', ())) > 1 else ''}: {commands}; {facts['date']} (the last).",
+  commands = run.get('commands', [facts['command']])  # several where batch sizes were measured in several calls
+  out += [f"- Command{'s' if len(commands) > 1 else ''}: {'; '.join(f'`{c}`' for c in commands)}; "
+          f"{facts['date']} (the last).",
           f"- Device: {facts['kind']} x {facts['count']} ({facts['platform']}), memory limit "
           f"{_fmt_bytes(facts['memory_limit'])}; host {facts['host']}.",
           '- Versions: ' + ', '.join(f'{k} {v}' for k, v in facts['versions'].items()) + '.',

@@ -9,7 +9,7 @@ import pytest
 from brainpy_accum import AccumBPTT, parse_memory, plan_micro_batches
 from brainpy_accum.memory._budget import step_memory
 from brainpy_accum.memory._live import temp_bytes_at_least
-from helpers import NO_DEVICE_LIMIT, TINY_SIZES, assert_trees_close, make_batches, make_model, params_of
+from helpers import NO_DEVICE_LIMIT, TINY_SIZES, TRACED_BOUND, assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)
 
@@ -131,7 +131,7 @@ def _gru():
     return _GRU()
 
 
-@TINY_SIZES
+@TRACED_BOUND
 @pytest.mark.parametrize('model, num_time, remat', [
   ('rnn', 12, False), ('rnn', 12, True), ('rnn', 1, False), ('snn', 12, False), ('snn', 12, True), ('gru', 12, False)])
 def test_traced_lower_bound_of_the_step_never_exceeds_xlas_memory(model, num_time, remat):
@@ -151,7 +151,7 @@ def test_traced_lower_bound_of_the_step_never_exceeds_xlas_memory(model, num_tim
     assert temp <= used.total - used.fixed and bound <= used.total, (micro_batch_size, via_window, temp, used)
 
 
-@TINY_SIZES
+@TRACED_BOUND
 def test_traced_lower_bound_is_close_enough_to_rule_sizes_out():
   """The bound counts the stacked residuals of the time loop, most of a long sequence's working memory: at least
   half of XLA's temporaries. The residuals are whole TPU tiles ((8, 128): 256 units, 16 samples), where they

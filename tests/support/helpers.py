@@ -41,7 +41,9 @@ TINY_SIZES = pytest.mark.cpu_only(
 SIMULATED_DEVICE = pytest.mark.cpu_only(
   "a device simulated on the CPU's compiler (tests/support/simulated_device.py); on a GPU or TPU "
   "tests/memory/test_accelerator.py tests the real device")
-
+TRACED_BOUND = pytest.mark.cpu_only(
+  "the traced lower bound of a step's memory is used on the CPU only: on a TPU v5e XLA measured a small rate "
+  "RNN's working memory at 870,912 bytes, below the 3,612,672 its trace counts")
 
 
 def assert_trees_close(actual, expected, rtol=RTOL, atol=ATOL):
