@@ -7,7 +7,7 @@ a budget; ``--column``: only what the column [AccumBPTT(N) / bp.BPTT] / [plain J
 needs), ``planner`` (``remat='auto'`` against every plan timed, :mod:`.planner`) and ``streaming`` (a batch
 several times the budget streamed from the host, :mod:`.streaming`). A fifth, ``device``, runs only when named
 (``--parts device``): training on a GPU or TPU, batch size by batch size, into ``accelerator.md``, ``.png`` and
-``.json`` (:mod:`.device`; on a CPU small and labelled as such).
+``.json`` (:mod:`.accelerator`; on a CPU small and labelled as such).
 """
 
 import argparse
@@ -22,7 +22,7 @@ import brainstate
 import jax
 
 from ..memory import parse_memory
-from .device import main as device_main
+from .accelerator import main as device_main
 from .measure import largest_batch_within, measure_all
 from .planner import measure_planner, planner_section, plot_planner
 from .report import markdown_report, plot

@@ -290,6 +290,13 @@ def _run_section(facts: dict, run: dict) -> List[str]:
           '']
   for workload in dict.fromkeys(r['workload'] for r in run['rows']):
     out += _workload_table(workload, [r for r in run['rows'] if r['workload'] == workload], peak, fit_gives)
+  if run.get('holds'):
+    out += ['### Arrays put on the device after planning', '',
+            'A fresh AccumBPTT planned and trained one batch with the device free, then trained it again while an '
+            'array held a share of the device (`--holds BATCH`):', '']
+    out += [f"- {h['held_share']:.0%} held: {h['seconds']:.1f} s, "
+            + (f"plan {h['plan']}" if h['error'] is None else f"error {h['error']}") for h in run['holds']]
+    out.append('')
   if run.get('notes'):  # measured on the same device beside the benchmark (kept in accelerator.json)
     out += ['### Measured beside it', ''] + [f'- {note}' for note in run['notes']] + ['']
   return out
@@ -312,6 +319,13 @@ def _workload_table(workload: str, rows: List[dict], peak: dict, fit_gives: str)
                f"{_fmt_flops(achieved)} | "
                f"{'-' if achieved is None else f'{achieved / max(peak.values()):.0%}'} |")
   out += ['', 'Ratios of samples/s:', '']
+  best = max((r['samples_per_s'].get(DEVICE, 0) for r in rows if r['trainer'] == 'bp.BPTT'), default=0)
+  if best:
+    mine = [r for r in rows if r['trainer'] == 'AccumBPTT']
+    out.append("- Against bp.BPTT's best on device batches (" + f'{best:,.0f} samples/s), AccumBPTT: ' + '; '.join(
+      f"B={r['batch']} " + ', '.join(f'{kind} {r["samples_per_s"][kind] / best:.2f}'
+                                     for kind in (fit_gives, DEVICE) if kind in r['samples_per_s'])
+      for r in mine if r['samples_per_s']))
   for batch in dict.fromkeys(r['batch'] for r in rows):
     at = [r for r in rows if r['batch'] == batch]
     ratio = functools.partial(_speed_ratio, at)
@@ -331,7 +345,7 @@ def _workload_table(workload: str, rows: List[dict], peak: dict, fit_gives: str)
 
 HEADER = '''# On a GPU or TPU
 
-Made by `python -m brainpy_accum.bench --parts device` (or `python -m brainpy_accum.bench.device`): the spiking
+Made by `python -m brainpy_accum.bench --parts device` (or `python -m brainpy_accum.bench.accelerator`): the spiking
 network (`bench.workloads.SpikingRNN`) and the rate RNN, cross-entropy of the last step's read-out, Adam, at
 batch sizes from 256 to 16,384 on an accelerator (T=500, 1024 hidden, 128 inputs), small ones on a CPU.
 For each batch size: whether bp.BPTT's step fits, `AccumBPTT(num_micro_batch='auto')`'s plan and bytes, plain

@@ -20,9 +20,11 @@ import signal
 import threading
 from typing import Iterator, List, NamedTuple, Optional
 
+from tqdm import tqdm
+
 from ..core._cut import check_positive_int
 
-__all__ = ['Progress', 'Interrupted', 'StopRequest', 'deferred_signals', 'act_on', 'check_checkpoint_args']
+__all__ = ['Run', 'Progress', 'Interrupted', 'StopRequest', 'deferred_signals', 'act_on', 'check_checkpoint_args']
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -104,3 +106,66 @@ def check_checkpoint_args(checkpoint, checkpoint_every) -> Optional[int]:
     raise ValueError(f'checkpoint_every={checkpoint_every!r} needs a checkpoint path: pass '
                      f"checkpoint='run.ckpt' as well.")
   return check_positive_int('checkpoint_every', checkpoint_every, 'It counts optimizer updates between checkpoints.')
+
+
+class Run:
+  """One :meth:`fit` call's progress, its phases' logs and its checkpoints.
+
+  Parameters
+  ----------
+  files : RunFiles
+    Where checkpoints are read and written (:class:`~brainpy_accum.checkpoint._save_load.RunFiles`).
+  logs : dict
+    ``{phase: log}`` of the phases' metric logs, each with ``state()`` and ``restore(state)``.
+  checkpoint : str, optional
+    The checkpoint's path (``None``: none).
+  every : int, optional
+    A checkpoint every this many optimizer updates too (else at every epoch's end).
+  """
+
+  def __init__(self, files, logs: dict, checkpoint: Optional[str], every: Optional[int]):
+    self.files, self.logs, self.checkpoint, self.every = files, logs, checkpoint, every
+    self.progress = Progress()
+    self._test_log_at_start: Optional[dict] = None  # the test log before the running test pass
+
+  def resume(self) -> None:
+    """Continue from the checkpoint if one exists (a checkpoint saved by hand: its state, from epoch 0)."""
+    if self.checkpoint is None or not os.path.exists(self.checkpoint):
+      return
+    saved = self.files.load(self.checkpoint)
+    if saved is not None:
+      self.progress, history = saved
+      for phase, log in self.logs.items():
+        if phase in history:
+          log.restore(history[phase])
+    tqdm.write(f'resuming from checkpoint={self.checkpoint!r} at epoch {self.progress.epoch}, '
+               f'{self.progress.trained} batches of it trained')
+
+  def batch_trained(self, update: bool) -> None:
+    """A training batch is done (``update``: the optimizer updated)."""
+    self.progress = self.progress._replace(trained=self.progress.trained + 1,
+                                           updates=self.progress.updates + int(update))
+
+  def after_report(self, update: bool) -> None:
+    """Every ``every`` updates, a checkpoint (after the batch's report, which it then holds)."""
+    if update and self.every is not None and self.progress.updates % self.every == 0:
+      self.save()
+
+  def trained_all(self) -> None:
+    self.progress = self.progress._replace(trained_all=True)
+
+  def test_starts(self) -> None:
+    self._test_log_at_start = self.logs['test'].state()
+
+  def epoch_done(self) -> None:
+    self.progress, self._test_log_at_start = self.progress.next_epoch(), None
+    self.save()
+
+  def save(self) -> None:
+    """A checkpoint of the trainer and of where the run stands (a test pass under way is run again)."""
+    if self.checkpoint is None:
+      return
+    history = {phase: log.state() for phase, log in self.logs.items()}
+    if self._test_log_at_start is not None:
+      history['test'] = self._test_log_at_start
+    self.files.save(self.checkpoint, (self.progress, history))

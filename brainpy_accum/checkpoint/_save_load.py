@@ -36,7 +36,7 @@ from ..core._combine import weakly_typed
 from ._file import read_tree, write_tree
 from ._resume import Progress
 
-__all__ = ['checkpoint_groups', 'save', 'save_or_warn', 'load']
+__all__ = ['RunFiles', 'checkpoint_groups', 'save', 'save_or_warn', 'load']
 
 
 def checkpoint_groups(trainer, window) -> Dict[str, Dict[str, bm.Variable]]:
@@ -198,3 +198,35 @@ def _run_of(path: str, tree: dict) -> Optional[Tuple[Progress, Dict[str, dict]]]
     raise ValueError(f'Checkpoint path={path!r} has an unreadable record of where the run stood ({error}). '
                      f'Nothing was loaded.') from error
   return progress._replace(trained_all=bool(progress.trained_all)), tree.get('history', {})
+
+
+class RunFiles:
+  """A trainer's checkpoints as :meth:`fit` writes and reads them, for the fit loop, which never sees the trainer:
+  :meth:`load` and :meth:`save` of :func:`load` and :func:`save_or_warn` with the trainer and its window bound.
+
+  Examples
+  --------
+  >>> import os, tempfile, brainpy as bp, brainpy.math as bm
+  >>> from brainpy_accum import AccumBPTT
+  >>> from brainpy_accum.checkpoint._resume import Progress
+  >>> from brainpy_accum.checkpoint._save_load import RunFiles
+  >>> with bm.training_environment():
+  ...   model = bp.dnn.Dense(2, 2)
+  >>> files = RunFiles(AccumBPTT(model, 'mean_squared_error'), window=None)
+  >>> path = os.path.join(tempfile.mkdtemp(), 'run.ckpt')
+  >>> files.save(path, (Progress(epoch=3), {}))
+  True
+  >>> files.load(path)[0].epoch
+  3
+  """
+
+  def __init__(self, trainer, window):
+    self._trainer, self._window = trainer, window
+
+  def load(self, path: str) -> Optional[Tuple[Progress, Dict[str, dict]]]:
+    """:func:`load`: the trainer restored from ``path``; the run's ``(progress, history)`` saved with it."""
+    return load(self._trainer, path, self._window)
+
+  def save(self, path: str, run: Tuple[Progress, Dict[str, dict]]) -> bool:
+    """:func:`save_or_warn`: the trainer and the run's ``(progress, history)`` to ``path``."""
+    return save_or_warn(self._trainer, path, self._window, run)

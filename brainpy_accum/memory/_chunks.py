@@ -104,6 +104,11 @@ class ChunkSearch:
     scaled = sum(x.nbytes // x.shape[axis] * chunk for x, (_, axis) in zip(states, self._states_now.values()))
     return self.model.fixed_bytes(*self._data_of(chunk)) - sum(x.nbytes for x in states) + scaled
 
+  def chunk_data(self, chunk: int):
+    """The first chunk's ``(inputs, targets)``, with the model state at its size; ``None`` where its fixed bytes
+    alone exceed the budget (arithmetic)."""
+    return self._fitting_chunk_of(chunk)
+
   def _fitting_chunk_of(self, chunk: int):
     """:meth:`_chunk_of`; ``None`` where its fixed bytes alone exceed the budget (arithmetic)."""
     chunk_data = self._chunk_of(chunk)

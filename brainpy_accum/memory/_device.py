@@ -131,6 +131,28 @@ class Budget:
                       f'{f" and a margin of {DEVICE_MARGIN:.0%}" if self._share is None else ""}')
     return self._bytes
 
+  def recheck(self, held: Callable[[], int] = lambda: 0) -> Optional[int]:
+    """Where the budget comes from the device: worked out again from what other arrays hold now. If the device
+    has less room than when the budget was worked out (arrays put there since, such as the user's own), the new,
+    smaller budget is kept and returned, for plans made under the old one to be checked; else ``None`` (the
+    budget stands: plans that fit it still fit).
+
+    Examples
+    --------
+    >>> from brainpy_accum.memory._device import Budget
+    >>> Budget('64MiB').recheck() is None  # a size given never changes
+    True
+    """
+    if self._given is not None or self._bytes is None:
+      return None
+    before, source = self._bytes, self._source
+    self._bytes = None
+    now = self.bytes(held)
+    if now >= before:
+      self._bytes, self._source = before, source
+      return None
+    return now
+
   def named(self) -> str:
     """The budget as an error names it: ``memory_budget=...`` as given, or the device's (see :meth:`describe`)."""
     return self.describe() if self._given is None else f'memory_budget={format_memory(self._given)}'
@@ -149,10 +171,33 @@ def _device_name(device: Optional[jax.Device]) -> str:
   return f'the {device.platform.upper()} device'
 
 
+# What JAX raises when the device runs out of memory, in every Python type it uses: ``JaxRuntimeError``
+# (compile-time refusal, "Ran out of memory in memory space hbm"; a run-time buffer, TPU E0100
+# "RuntimeBufferAllocationFailure"; a GPU's "Out of memory while trying to allocate"), and ``ValueError`` (a TPU
+# program that cannot be loaded, E0101 "RuntimeProgramAllocationFailure: ... Attempting to reserve 8.54G at the
+# bottom of memory", measured on a TPU v5e with JAX 0.10.2).
+_OUT_OF_MEMORY = ('RESOURCE_EXHAUSTED', 'Out of memory while trying to allocate', 'RuntimeBufferAllocationFailure',
+                  'RuntimeProgramAllocationFailure', 'Ran out of memory in memory space')
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-  """Whether ``error`` is XLA's resource-exhausted error: the device is out of memory, at run time or when a
-  program too large for it is compiled."""
-  return isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error)
+  """Whether ``error`` says that the device is out of memory: at compile time (a program too large for it), when
+  a program is loaded (its temporaries cannot be reserved) or at run time (a buffer cannot be allocated),
+  whatever Python type JAX raises it as. The host's own ``MemoryError`` is not the device's.
+
+  Examples
+  --------
+  >>> from brainpy_accum.memory._device import is_out_of_memory
+  >>> is_out_of_memory(ValueError('RESOURCE_EXHAUSTED: E0101: RuntimeProgramAllocationFailure: Error loading '
+  ...                             "program 'jit_step': Attempting to reserve 12.02G at the bottom of memory."))
+  True
+  >>> is_out_of_memory(ValueError('shapes (3,) and (4,) do not match'))
+  False
+  """
+  if not isinstance(error, Exception) or isinstance(error, MemoryError):
+    return False
+  text = str(error)
+  return any(words in text for words in _OUT_OF_MEMORY)
 
 
 # what XLA writes when it refuses to compile a program too large for the device (a TPU's words; a run that

@@ -7,20 +7,33 @@ sent to the device and its weighted gradient sums added to the ``accumulate_step
 and the last chunk closes the window: one optimizer update per batch, the update of the whole batch. The
 largest trainable batch is then bounded by host memory only.
 
-These are the host-side pieces: which chunk sizes to try, slicing the batch, and combining the chunks'
-losses and metrics into the batch's, as :class:`brainpy.BPTT` would report them.
+On an accelerator the same path carries every host batch that does not run in one piece: it flows to the
+device in pieces (chunks) of one micro-batch each, each sent while the one before computes (see
+:mod:`~brainpy_accum.trainer._feed`), so the device holds the running step and one piece more, whatever the
+batch size.
+
+These are the pieces of that path: which chunk sizes to try, slicing the batch, the model state of each chunk
+(:class:`StreamedStates`), and combining the chunks' losses and metrics into the batch's, as
+:class:`brainpy.BPTT` would report them, when they are read (:func:`combine_later`): no batch end waits for the
+device.
 """
 
+import contextlib
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import brainpy.math as bm
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..core._batch import is_array
 from ..core._metrics import combine_on_host
+from ..core._states import all_samples, declared_batch_axes, values_restored
 from ._budget import candidate_micro_batch_sizes
 
-__all__ = ['best_chunk', 'chunk_candidates', 'chunk_sizes', 'host_chunk', 'combine', 'likely_chunk']
+__all__ = ['StreamedStates', 'best_chunk', 'chunk_candidates', 'chunk_sizes', 'chunk_starts', 'combine',
+           'combine_later', 'host_chunk', 'host_pieces', 'likely_chunk']
 
 
 def chunk_candidates(batch_size: int) -> List[int]:
@@ -118,9 +131,45 @@ def chunk_sizes(batch_size: int, chunk: int) -> List[int]:
   return [chunk] * full + ([rest] if rest else [])
 
 
+def chunk_starts(batch_size: int, chunk: int) -> List[Tuple[int, int]]:
+  """``(start, size)`` of each chunk of a batch (:func:`chunk_sizes`).
+
+  Examples
+  --------
+  >>> chunk_starts(10, 4)
+  [(0, 4), (4, 4), (8, 2)]
+  """
+  sizes = chunk_sizes(batch_size, chunk)
+  return [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]
+
+
+def host_pieces(inputs, targets, layout, chunk: int) -> List[Tuple[int, int, Callable[[], tuple]]]:
+  """``(start, size, piece)`` of each chunk of a batch whose ``layout`` (its size and batch axes) is given;
+  ``piece()`` slices the chunk's ``(inputs, targets)`` where the data lives (NumPy slices are views; slices of
+  device data are copies: made one at a time, when needed).
+
+  Examples
+  --------
+  >>> import numpy as np
+  >>> from brainpy_accum.core._batch import batch_layout
+  >>> x, y = np.arange(10.).reshape(5, 2), np.arange(5.)
+  >>> pieces = host_pieces(x, y, batch_layout(x, y, 'B', None), 2)
+  >>> [(start, size) for start, size, _ in pieces], pieces[2][2]()
+  ([(0, 2), (2, 2), (4, 1)], (array([[8., 9.]]), array([4.])))
+  """
+  return [(start, size, functools.partial(_piece, inputs, targets, layout, start, size))
+          for start, size in chunk_starts(layout.batch_size, chunk)]
+
+
+def _piece(inputs, targets, layout, start: int, size: int) -> tuple:
+  return host_chunk(inputs, layout.input_axes, start, size), host_chunk(targets, layout.target_axes, start, size)
+
+
 def host_chunk(tree, axes, start: int, size: int):
   """Samples ``start .. start + size`` of every leaf, sliced where the data lives (NumPy stays on the host)."""
   def take(x, axis):
+    if isinstance(x, jax.Array):  # one program for every start (a static slice compiles once per start)
+      return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
     index = (slice(None),) * axis + (slice(start, start + size),)
     return x[index]
   return jax.tree_util.tree_map(take, tree, axes, is_leaf=is_array)
@@ -145,3 +194,102 @@ def combine(results: Sequence[Tuple[Any, dict]], weights: Optional[Sequence[floa
     return np.asarray(loss, dtype), aux
   aux = {k: sum(s * np.asarray(r[1][k], np.float64) for s, r in zip(scale, results)) for k in results[0][1]}
   return np.asarray(loss, dtype), {k: np.asarray(v, np.asarray(results[0][1][k]).dtype) for k, v in aux.items()}
+
+
+class StreamedStates:
+  """The model state of one batch streamed in chunks.
+
+  Each chunk starts from its samples' slice of the whole batch's state (as fit reset it at the batch size: the
+  same random draws as ``bp.BPTT``'s), and the chunks' final states are joined after the last, where the whole
+  batch's would be. Device memory: the whole batch's state and the chunks' final states (:meth:`bytes`).
+
+  Parameters
+  ----------
+  states : dict
+    ``{name: (Variable, batch axis)}``, the model's states that hold the batch.
+  batch_size : int
+    Samples of the whole batch.
+  """
+
+  def __init__(self, states: Dict[str, Tuple[Any, int]], batch_size: int):
+    self.states, self.batch_size = states, batch_size
+    self.whole = {name: all_samples(name, var, axis, batch_size) for name, (var, axis) in states.items()}
+    # each chunk's final state, joined after the last: every chunk starts from a slice of the state as fit left
+    # it (weakly typed after a reset, as bp.BPTT's step takes it), so every chunk's step is the same program
+    self.finals: Dict[str, list] = {name: [] for name in states}
+
+  @contextlib.contextmanager
+  def declared(self):
+    """While inside, the states may hold a chunk's rows (:func:`~brainpy_accum.core._states.declared_batch_axes`)."""
+    with declared_batch_axes(self.states.values()):
+      yield
+
+  def enter(self, start: int, size: int) -> None:
+    """The states of the chunk of samples ``start .. start + size`` (one program for all starts)."""
+    for name, (var, axis) in self.states.items():
+      var.value = jax.lax.dynamic_slice_in_dim(self.whole[name], start, size, axis=axis)
+
+  def leave(self) -> None:
+    """Keep the chunk's final states."""
+    for name, (var, _) in self.states.items():
+      self.finals[name].append(bm.as_jax(var.value))
+
+  def join(self) -> None:
+    """The whole batch's final state: the chunks' joined."""
+    for name, (var, axis) in self.states.items():
+      var.value = jnp.concatenate(self.finals[name], axis=axis)
+
+  @contextlib.contextmanager
+  def first_samples(self, count: int):
+    """While inside, the states of the batch's first ``count`` samples; the chunk's are put back after."""
+    with values_restored([var for var, _ in self.states.values()], any_shape=True):
+      self.enter(0, count)
+      yield
+
+  def bytes(self) -> int:
+    """Device bytes held beside the chunks' steps: the whole batch's state and its chunks' final states."""
+    return 2 * sum(int(np.prod(np.shape(x))) * jnp.asarray(x).dtype.itemsize for x in self.whole.values())
+
+
+class _Combined:
+  """One streamed batch's ``(loss, aux)``, combined from its chunks' (:func:`combine`) the first time it is read."""
+
+  def __init__(self, results, weights, reduction: str, metrics, counts):
+    self._parts = (results, weights, reduction, metrics, counts)
+    self._value = None
+
+  def value(self):
+    if self._value is None:
+      results, weights, reduction, metrics, counts = self._parts
+      self._value = combine(results, [float(w) for w in weights], reduction, metrics, counts)
+      self._parts = None
+    return self._value
+
+
+class _Later:
+  """One value of a :class:`_Combined`, read as a NumPy array (``np.asarray``) when a report needs it."""
+
+  def __init__(self, combined: _Combined, key: Optional[str] = None):
+    self.combined, self.key = combined, key
+
+  def __array__(self, dtype=None, copy=None):
+    loss, aux = self.combined.value()
+    return np.asarray(loss if self.key is None else aux[self.key], dtype=dtype)
+
+
+def combine_later(results: Sequence[Tuple[Any, dict]], weights: Sequence[Any], reduction: str, metrics=None,
+                  counts: Optional[Sequence[int]] = None):
+  """:func:`combine`'s ``(loss, aux)``, each value read as a NumPy array only when a report or a checkpoint
+  needs it: the chunks' results and weights stay on the device until then, so the end of a streamed batch
+  waits for nothing (the device still runs its last chunks while the next batch's first goes ahead).
+
+  Examples
+  --------
+  >>> import numpy as np
+  >>> from brainpy_accum.memory._stream import combine_later
+  >>> loss, aux = combine_later([(1., {'acc': 0.5}), (2., {'acc': 1.})], [3, 1], 'mean')
+  >>> float(np.asarray(loss)), float(np.asarray(aux['acc']))
+  (1.25, 0.625)
+  """
+  combined = _Combined(list(results), list(weights), reduction, metrics, counts)
+  return _Later(combined), {key: _Later(combined, key) for key in results[0][1]}

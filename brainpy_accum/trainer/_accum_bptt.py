@@ -11,11 +11,14 @@ import os
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import brainpy as bp
+from brainpy import tools
 import brainpy.math as bm
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from ..checkpoint._save_load import load as load_checkpoint
+from ..checkpoint._resume import check_checkpoint_args
+from ..checkpoint._save_load import RunFiles
 from ..checkpoint._save_load import save as save_checkpoint
 from ..core._batch import BatchLayout, batch_layout
 from ..core._cut import MicroBatchPlan, as_int
@@ -28,12 +31,11 @@ from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
 from ..memory._device import Budget, is_refused_program
 from ..memory._plan_key import plan_key
 from ..memory._planner import PlannedModel, Planner
-from ._arguments import check_trainer_args, warn_batch_statistics
+from ._arguments import check_data, check_fit_args, check_trainer_args, warn_batch_statistics
 from ._compiled_steps import CompiledSteps, StepOptions, StepParts, fit_args
 from ._coupled_loss import CheckParts, FirstBatchCheck
 from ._feed import prefetch_bytes, sends_ahead
-from ._fit_loop import TrainerParts
-from ._fit_loop import fit as run_fit
+from ._fit_loop import FitLoop, LoopOptions, LoopSettings, LoopView, TrainerHooks
 from ._model_loss import BPTTFunctions, ModelLoss
 from ._sharded import split_variables
 from ..core._target_axes import TargetAxes
@@ -330,16 +332,28 @@ class AccumBPTT(bp.BPTT):
     last completed batch, writes the checkpoint if one is configured, and lets the signal act through
     the handler that was there before. A second Ctrl-C stops at once, without a checkpoint.
     """
-    parts = TrainerParts(check_batch=self._check_batch, place_on_mesh=self.place_on_mesh,
-                         check_loss_once=self._check, replan_finer=self._replan_finer,
-                         note_compilations=self._compiles.note, step=self._steps.step,
-                         without_time_step_bars=self._quiet, window=self._window,
-                         metric_plan=lambda: self._steps.metric_rules,
-                         plan_cached=self.planner.is_cached, plan_chunk=self.planner.plan_chunk,
-                         whole_batch_loss=self._step_func_loss, keep_history=self._keep_history,
-                         wait_check=self._check.wait)
-    run_fit(self, parts, train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
-            batch_size, checkpoint, checkpoint_every)
+    check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size, shared_args)
+    checkpoint_every = check_checkpoint_args(checkpoint, checkpoint_every)
+    check_data('train_data', train_data)
+    if test_data is not None:
+      check_data('test_data', test_data)
+    options = LoopOptions(int(num_report), reset_state, tools.DotDict({'fit': True, **(shared_args or {})}),
+                          fun_after_report, None if checkpoint is None else os.fspath(checkpoint), checkpoint_every)
+    FitLoop(self._loop_view(), options).fit(train_data, test_data, int(num_epoch))
+
+  def _loop_view(self) -> LoopView:
+    """The trainer as the fit loop sees it: its parts, options and the methods the loop calls."""
+    settings = LoopSettings(
+      accumulate_steps=self.accumulate_steps, auto=self.num_micro_batch == 'auto', on_mesh=self.mesh is not None,
+      loss_has_aux=self.loss_has_aux, loss_weight_fn=self.loss_weight_fn, grad_reduction=self.grad_reduction,
+      skip_nonfinite=self.skip_nonfinite, jit=dict(self.jit), show_bars=self.progress_bar)
+    hooks = TrainerHooks(
+      check_batch=self._check_batch, reset_state=self.reset_state, place_on_mesh=self.place_on_mesh,
+      plan=self.plan_memory, replan_finer=self._replan_finer, quiet=self._quiet, bptt_loss=self._step_func_loss,
+      keep_history=self._keep_history, files=RunFiles(self, self._window))
+    return LoopView(target=self.target, optimizer=self.optimizer, planner=self.planner, steps=self._steps,
+                    window=self._window, check=self._check, compilations=self._compiles,
+                    skipped_steps=self.skipped_steps, settings=settings, hooks=hooks)
 
   # ------------------------------------------------------------------ plans (the planner's answers)
 

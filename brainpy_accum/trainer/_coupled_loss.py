@@ -33,7 +33,7 @@ mean, without metrics, ``loss_weight_fn`` or ``grad_reduction='sum'``: a mean ov
 samples, whatever the values.
 """
 
-import functools
+import contextlib
 import threading
 import warnings
 from typing import Callable, Dict, NamedTuple, Optional, Sequence
@@ -50,7 +50,7 @@ from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_bat
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
 from ._random_outputs import LEVELS, POINTS, CheckNames, Evidence, loss_at_random_outputs
 
-__all__ = ['MEANS_OVER_ELEMENTS', 'CheckParts', 'FirstBatchCheck', 'check_first_batch', 'check_in_background',
+__all__ = ['MEANS_OVER_ELEMENTS', 'NO_CHECK', 'CheckParts', 'FirstBatchCheck', 'PendingCheck', 'RunningCheck', 'check_first_batch', 'check_in_background',
            'check_loss', 'conclude', 'found_reductions', 'warn_coupled_loss', 'warn_if_coupled', 'warn_metrics']
 
 
@@ -168,15 +168,53 @@ def _could_not_check(error: Exception) -> None:
                 UserWarning, stacklevel=6)  # fit's line
 
 
+class RunningCheck:
+  """The first-batch check compiling and running on a thread of its own (:func:`check_in_background`);
+  :meth:`finish` waits for it and gives its warnings, once."""
+
+  def __init__(self, lowered, values, inputs, targets, names: 'CheckNames', plan: MicroBatchPlan, reduction: str,
+               use_found: Optional[Callable[[Dict[str, str]], None]]):
+    self._names, self._plan, self._reduction, self._use_found = names, plan, reduction, use_found
+    self._done: dict = {}
+    self._reported: list = []  # the conclusion's warnings, given when finish() reports; reductions used at once
+    self._thread = threading.Thread(target=self._run, args=(lowered, values, inputs, targets),
+                                    name=f'{UNCOUNTED_THREAD_PREFIX} first-batch check', daemon=True)
+    self._thread.start()
+
+  def _run(self, lowered, values, inputs, targets) -> None:
+    """Runs the check on the values given; the new values it returns are dropped: nothing changes."""
+    try:
+      compiled = lowered.compile(compiler_options=QUICK_COMPILE)
+      self._done['result'] = jax.device_get(compiled(values, inputs, targets)[1])
+    except Exception as error:  # reported by finish(), on the caller's thread
+      self._done['error'] = error
+
+  def finish(self, report: bool = True) -> None:
+    """Wait for the check and give its warnings (``report=False``: only wait, for a step that raised)."""
+    self._thread.join()
+    if 'error' in self._done:
+      if report:
+        _could_not_check(self._done['error'])
+      return
+    if not self._reported:
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        _use(conclude(self._done['result'], self._names, self._plan, self._reduction), self._use_found)
+      self._reported.append(caught)
+    if report:
+      for warning in self._reported[0]:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
 def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan,
                         reduction: str, use_found: Optional[Callable[[Dict[str, str]], None]] = None
-                        ) -> Optional[Callable[..., None]]:
+                        ) -> Optional[RunningCheck]:
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
-  values of now. Returns ``finish(report=True)``, which waits for it and warns (``report=False``: only waits,
-  for a step that raised): XLA compiles and runs the check while fit goes on (the planner's search, or the
-  first train steps, dispatched before the check is traced), and the check's result does not depend on what
-  those steps change. No thread outlives the call of ``finish``.
+  values of now: the :class:`RunningCheck`, whose ``finish(report=True)`` waits for it and warns. XLA compiles
+  and runs the check while fit goes on (the planner's search, or the first train steps, dispatched before the
+  check is traced), and the check's result does not depend on what those steps change. No thread outlives the
+  call of ``finish``.
 
   Where the loss has undeclared scalar metrics, the train step must know how they combine before it is traced:
   then the check is waited for here, their reductions handed to ``use_found``, and ``finish`` only warns."""
@@ -191,37 +229,10 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
     except Exception as error:
       _could_not_check(error)
       return None
-  done: dict = {}
-
-  def run():  # runs the check on the values above; the new values it returns are dropped: nothing changes
-    try:
-      compiled = lowered.compile(compiler_options=QUICK_COMPILE)
-      done['result'] = jax.device_get(compiled(values, inputs, targets)[1])
-    except Exception as error:  # reported by finish(), on the caller's thread
-      done['error'] = error
-
-  thread = threading.Thread(target=run, name=f'{UNCOUNTED_THREAD_PREFIX} first-batch check', daemon=True)
-  thread.start()
-  reported = []  # the warnings of the conclusion, given when finish() reports; the reductions found are used at once
-
-  def finish(report: bool = True) -> None:
-    thread.join()
-    if 'error' in done:
-      if report:
-        _could_not_check(done['error'])
-      return
-    if not reported:
-      with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        _use(conclude(done['result'], names, plan, reduction), use_found)
-      reported.append(caught)
-    if report:
-      for warning in reported[0]:
-        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-
+  running = RunningCheck(lowered, values, inputs, targets, names, plan, reduction, use_found)
   if names.undecided:  # the step to be traced next combines them as found
-    finish(report=False)
-  return finish
+    running.finish(report=False)
+  return running
 
 
 def warn_metrics(names: Sequence, whole: Sequence[np.ndarray], combined: Sequence[np.ndarray], plan: MicroBatchPlan,
@@ -281,7 +292,7 @@ def _warn_coupled(what: str, point: str) -> None:
 def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan: MicroBatchPlan,
                       forward: Callable, loss_of: Callable, weigh: Callable, variables: Sequence, jit: bool,
                       reduction: str, declared: Optional[dict] = None, has_metrics: bool = True,
-                      use_found: Optional[Callable[[Dict[str, str]], None]] = None) -> Optional[Callable[..., None]]:
+                      use_found: Optional[Callable[[Dict[str, str]], None]] = None) -> Optional[RunningCheck]:
   """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values.
 
   ``check_batch(inputs, targets) -> BatchLayout``; ``plan``: the micro-batches of the batch (of each device's
@@ -295,8 +306,8 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
   combination (``{path: reduction}``, see :func:`found_reductions`), before this returns if there are any.
 
   With ``jit`` the check is compiled and run beside the first train steps (:func:`check_in_background`); the
-  returned ``finish()``, called after them, waits for it and warns. Without: it runs and warns now, and
-  ``None`` is returned.
+  returned :class:`RunningCheck`'s ``finish()``, called after them, waits for it and warns. Without: it runs and
+  warns now, and ``None`` is returned.
   """
   # the whole batch cut into micro-batches of the plan's size (with a mesh the plan cuts one device's share)
   plan = plan_micro_batches(check_batch(inputs, targets).batch_size, micro_batch_size=plan.micro_batch_size)
@@ -368,38 +379,36 @@ class FirstBatchCheck:
     self.model, self.parts, self.loss_func, self.jit, self.on_mesh = model, parts, loss_func, jit, on_mesh
     self.reduction, self.declared, self.has_metrics, self.weighted = reduction, declared, has_metrics, weighted
     self.checked = done
-    self._running: Optional[Callable[..., None]] = None  # the check's finish(), once started
+    self._running: Optional[RunningCheck] = None  # the check, once started
 
   def wait(self) -> None:
     """Wait for a check running beside planning (planning times trial steps after it), without its report."""
     if self._running is not None:
-      self._running(report=False)
+      self._running.finish(report=False)
 
-  def __call__(self, shared_args, inputs, targets, before_planning: bool = False, streamed: bool = False
-               ) -> Optional[Callable[[], Optional[Callable[..., None]]]]:
-    """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values (once).
+  def pending(self, shared_args, inputs, targets, before_planning: bool = False, streamed: bool = False
+              ) -> 'PendingCheck':
+    """Default mode, first batch: the check that the loss is the weighted mean of its micro-batch values (once
+    per trainer), as a :class:`PendingCheck` to start (or :data:`NO_CHECK`: nothing to check).
 
-    A model that fails on a micro-batch raises now (the error that names the fix). Returns ``start()``, or
-    ``None`` where there is nothing to check: ``start()`` checks the loss, on the values the Variables hold
-    then (fit calls it once the first step is dispatched, so that the check's tracing overlaps the step's run;
-    nothing the check computes depends on those values), and returns ``finish()`` for fit to call after the
-    first step when the check runs beside it, else ``None``. With ``loss_has_aux`` the check has started
-    already when this returns (how undeclared metrics combine shapes the train step, so it is found first; where
-    it is found only after planning compiled a step, that step is traced again): ``start()`` returns its
-    ``finish()``, and :meth:`wait` waits for it where fit has no use for it.
+    A model that fails on a micro-batch raises now (the error that names the fix). ``start()`` checks the loss
+    on the values the Variables hold then (fit starts it once the first step is dispatched, so that the check's
+    tracing overlaps the step's run; nothing the check computes depends on those values). With
+    ``loss_has_aux`` it has started already (how undeclared metrics combine shapes the train step, so it is
+    found first; where it is found only after planning compiled a step, that step is traced again).
     ``before_planning`` (``num_micro_batch='auto'``, a batch not planned yet): cut in two, so that it can start
     before planning and compile beside the planner's search (its cut does not wait for the plan, and is the
     same whether the plan is searched or read from the plan cache); only where it can (jit, no mesh, the
-    batch's data well within the budget), else ``None`` and fit checks the planned cut, beside the first step
-    as usual. ``streamed``: ``inputs, targets`` are samples of a streamed batch, whose chunks combine like
+    batch's data well within the budget), else :data:`NO_CHECK` and fit checks the planned cut, beside the first
+    step as usual. ``streamed``: ``inputs, targets`` are samples of a streamed batch, whose chunks combine like
     micro-batches: cut in two where their plan would not cut them.
     """
     if self.checked:
-      return None
+      return NO_CHECK
     layout = self.parts.check_batch(inputs, targets)
     plan = self._plan(layout.batch_size, inputs, targets, before_planning, streamed)
     if plan is None:
-      return None
+      return NO_CHECK
     self.checked = True
     if plan.num_micro_batches > 1:  # a model that fails on a micro-batch: the error that names the fix, first
       with whole_batch_variables(self.model, layout.batch_size) as states, \
@@ -408,12 +417,11 @@ class FirstBatchCheck:
           (layout.input_axes, layout.target_axes)), plan, states, layout.batch_size)
     if self.loss_func in MEANS_OVER_ELEMENTS and not self.has_metrics and not self.weighted \
         and self.reduction == 'mean':
-      return None  # a mean over every element is a mean over samples: nothing to check (see the module)
-    start = functools.partial(self._start, shared_args, inputs, targets, plan)
+      return NO_CHECK  # a mean over every element is a mean over samples: nothing to check (see the module)
+    pending = PendingCheck(self, (shared_args, inputs, targets, plan))
     if self.has_metrics:  # how undeclared metrics combine shapes the train step: found before it is traced
-      finish = start()
-      return lambda: finish
-    return start
+      pending.start()
+    return pending
 
   def _plan(self, batch_size: int, inputs, targets, before_planning: bool, streamed: bool
             ) -> Optional[MicroBatchPlan]:
@@ -430,13 +438,54 @@ class FirstBatchCheck:
           else plan
     return self.parts.plan_for(batch_size)
 
-  def _start(self, shared_args, inputs, targets, plan: MicroBatchPlan) -> Optional[Callable[..., None]]:
+  def run(self, shared_args, inputs, targets, plan: MicroBatchPlan) -> Optional[RunningCheck]:
+    """Start the check of this batch cut by ``plan`` (:func:`check_first_batch`); its :class:`RunningCheck`, or
+    ``None`` where it ran already (without jit) or could not start."""
     variables = self.parts.variables()
     with self.parts.quiet():
-      finish = check_first_batch(self.model, shared_args, inputs, targets, check_batch=self.parts.check_batch,
-                                 plan=plan, forward=self.parts.forward, loss_of=self.parts.loss_of,
-                                 weigh=self.parts.weigh, variables=variables, jit=self.jit,
-                                 reduction=self.reduction, declared=self.declared, has_metrics=self.has_metrics,
-                                 use_found=self.parts.use_found)
-    self._running = finish  # the planner waits for it before timing trial steps
-    return finish
+      running = check_first_batch(self.model, shared_args, inputs, targets, check_batch=self.parts.check_batch,
+                                  plan=plan, forward=self.parts.forward, loss_of=self.parts.loss_of,
+                                  weigh=self.parts.weigh, variables=variables, jit=self.jit,
+                                  reduction=self.reduction, declared=self.declared, has_metrics=self.has_metrics,
+                                  use_found=self.parts.use_found)
+    self._running = running  # the planner waits for it before timing trial steps
+    return running
+
+
+class PendingCheck:
+  """The first-batch check of one fit: started once (:meth:`start`), finished once (:meth:`finish`), both safe to
+  call again; :meth:`around_step` wraps the step it accompanies."""
+
+  def __init__(self, owner: Optional[FirstBatchCheck], batch: tuple):
+    self._owner, self._batch = owner, batch  # (shared_args, inputs, targets, plan)
+    self._running: Optional[RunningCheck] = None
+    self.started = self.finished = owner is None
+
+  def start(self) -> None:
+    """Trace the check and start it beside what runs now (without jit: run it now)."""
+    if not self.started:
+      self.started = True
+      self._running = self._owner.run(*self._batch)
+
+  def finish(self, report: bool = True) -> None:
+    """Wait for the check and give its warnings (``report=False``: only wait); nothing if it never started."""
+    if self.started and not self.finished:
+      self.finished = True
+      if self._running is not None:
+        self._running.finish(report=report)
+
+  @contextlib.contextmanager
+  def around_step(self, report: bool = True):
+    """Around the step the check accompanies: if the check started before it, finish it after it (its warnings,
+    unless ``report=False``: then only on an error); if the step raises, wait for the check without its report,
+    so that no thread of it outlives ``fit``."""
+    try:
+      yield
+    except BaseException:
+      self.finish(report=False)
+      raise
+    if report:
+      self.finish()
+
+
+NO_CHECK = PendingCheck(None, ())  # nothing to check: every method does nothing

@@ -1,65 +1,77 @@
-"""Feeding the device: each batch on its way to the device while the step before it runs.
+"""Feeding the device: the data of the next step on its way while the step before it runs.
 
 A NumPy batch handed to a compiled step is copied to the device when the step is called, and the device
-waits for it. :meth:`AccumBPTT.fit` sends it earlier instead (double buffering)::
+waits for it. :meth:`AccumBPTT.fit` sends it earlier instead, one *unit* at a time: a whole batch, or one
+piece of a batch streamed in pieces (:mod:`~brainpy_accum.memory._stream`, one micro-batch each)::
 
-  for batch k of the pass:            # batch k + 1 is already read: fit looks one batch ahead for the last
-    dispatch step(batch k)            # asynchronous: returns at once
-    wait until step(batch k - 1) is done        # its batch leaves the device
-    jax.device_put(batch k + 1)       # asynchronous: copied while step k runs
+  for each unit k (a piece of this batch, or the next batch's first):
+    dispatch step(unit k)             # asynchronous: returns at once
+    wait until step(unit k - 1) is done          # its data leaves the device
+    jax.device_put(unit k + 1)        # asynchronous: copied while step k runs
 
-so the device holds the batch of the running step and at most one more. This is for accelerators (GPU, TPU),
-where the copy crosses to the chip and can run beside the step. On a CPU, JAX's default device being the host,
-nothing is sent ahead by default: there a jitted step takes a NumPy array more cheaply than a copy made ahead
-(on the benchmark's CPU, sending a 0.8 MB batch ahead cost about 0.6 ms, a tenth of a 7 ms step), and the loop
-stays as it was. Nothing is read from the data ahead
-of what fit reads anyway (one batch, a generator's laziness is kept), the step is the same program on the same
-values (the copy is what the step would have made: bit for bit the same results), and the loop waits on a
-step only to keep that bound, one step behind the device (never while the device is idle for it). The batch
-sent ahead takes :func:`prefetch_bytes` on the device beside the step: what a memory plan must leave free.
+so the device holds the data of the running step and of one unit more, whatever the batch size, and the copies
+run beside the steps across batch boundaries (the next batch's first piece goes while this batch's last
+computes). A large NumPy array is copied as several slices at once, on threads, and joined on the device: a TPU
+v5e's host link moved 10.0 GB/s for one copy of 0.5 GB and 12.6 GB/s for eight slices of it at once.
+
+This is for accelerators (GPU, TPU), where the copy crosses to the chip and can run beside the step. On a CPU,
+JAX's default device being the host, nothing is sent ahead by default (:func:`sends_ahead`): there a jitted step
+takes a NumPy array more cheaply than a copy made ahead. Nothing is read from the data ahead of what fit reads
+anyway (one batch: a generator's laziness is kept), the step is the same program on the same values (the copy
+is what the step would have made: bit for bit the same results), and the loop waits on a step only to keep that
+bound. A unit goes ahead only where the device has room for it beside the running step (its memory
+statistics: arrays and the running programs' reserved temporaries, which the TPU runtime would otherwise evict,
+reload or fail to load); the planner counts it in every plan (:func:`prefetch_bytes`).
 
 Only what can go ahead goes ahead: a batch whose leaves are all arrays (NumPy ones are copied, those already
 on the device are kept as they are, no copy) and whose tree, shapes and dtypes are those of the batch in hand,
 whose check and plan it then shares (a batch unlike it, such as a shorter last one, or one that fails its
-check, waits for its turn on the host as before, and fails then with the same error). A streamed batch's
-chunks (:mod:`~brainpy_accum.memory._stream`) go ahead one by one the same way; the batch after a streamed
-one does not (it would not fit beside it). With a ``mesh`` nothing goes ahead: the step places the batch's
-shares itself, as before.
+check, waits for its turn on the host as before, and fails then with the same error). With a ``mesh`` nothing
+goes ahead: the step places the batch's shares itself.
 """
 
 import collections
+import concurrent.futures
 import contextlib
-from typing import Any, Deque, Iterable, Iterator, Optional, Tuple
+import os
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..core._batch import is_array
 from ._window import with_last_flag
 
-__all__ = ['Feed', 'Ahead', 'on_device', 'overlapping', 'prefetch_bytes', 'sends_ahead']
+__all__ = ['Feed', 'Fed', 'Sender', 'on_device', 'overlapping', 'prefetch_bytes', 'sends_ahead']
 
 _OVERLAP = [None]  # None: by the device (on an accelerator); :func:`overlapping` sets it for the tests and benchmark
-_NOTHING = object()
+# A NumPy leaf of at least this many bytes is copied as PUT_THREADS slices at once (BRAINPY_ACCUM_PUT_THREADS=1:
+# one copy); below it one copy is as fast.
+SPLIT_BYTES = 64 * 2 ** 20
+PUT_THREADS = int(os.environ.get('BRAINPY_ACCUM_PUT_THREADS', '8'))
+# Of the device's limit, left free beside a unit sent ahead (allocations near a full device stall on a TPU).
+ROOM_MARGIN = 0.02
+_POOL: List[concurrent.futures.ThreadPoolExecutor] = []
 
 
 def sends_ahead() -> bool:
-  """Whether ``fit`` sends batches ahead: as :func:`overlapping` says, else where the default device is an
+  """Whether ``fit`` sends data ahead: as :func:`overlapping` says, else where the default device is an
   accelerator (not on a CPU)."""
   return jax.default_backend() != 'cpu' if _OVERLAP[0] is None else _OVERLAP[0]
 
 
 @contextlib.contextmanager
 def overlapping(enabled: Optional[bool]):
-  """Within the ``with``, ``fit`` sends batches ahead (``True``, also on a CPU) or hands each to its step
-  (``False``, the loop without the overlap), whatever the device; ``None``: by the device (the default). For
-  the tests, which run on a CPU, and for the benchmark's comparisons.
+  """Within the ``with``, ``fit`` sends data ahead (``True``, also on a CPU, batches streamed in pieces as on an
+  accelerator) or hands each batch to its step (``False``); ``None``: by the device (the default). For the tests,
+  which run on a CPU, and for the benchmark's comparisons.
 
   Examples
   --------
-  >>> from brainpy_accum.trainer._feed import Ahead, overlapping
+  >>> from brainpy_accum.trainer._feed import Sender, overlapping
   >>> with overlapping(True):
-  ...   Ahead().enabled
+  ...   Sender().enabled
   True
   """
   before, _OVERLAP[0] = _OVERLAP[0], None if enabled is None else bool(enabled)
@@ -78,6 +90,23 @@ def _copied(x) -> bool:
   return isinstance(x, np.ndarray)
 
 
+def _split(x) -> bool:
+  """Whether a host leaf is copied as slices at once (large, C-contiguous, more rows than slices)."""
+  return (PUT_THREADS > 1 and x.nbytes >= SPLIT_BYTES and x.ndim > 0 and x.shape[0] >= PUT_THREADS
+          and x.flags.c_contiguous)
+
+
+def _put(x):
+  """One host leaf on the default device: large ones as row slices copied at once on threads, joined there."""
+  if not _split(x):
+    return jax.device_put(x)
+  if not _POOL:
+    _POOL.append(concurrent.futures.ThreadPoolExecutor(PUT_THREADS, thread_name_prefix='brainpy_accum put'))
+  rows = np.linspace(0, x.shape[0], PUT_THREADS + 1).astype(int)
+  slices = list(_POOL[0].map(jax.device_put, [x[a:b] for a, b in zip(rows[:-1], rows[1:])]))
+  return jnp.concatenate(slices, axis=0)
+
+
 def on_device(batch) -> Optional[Any]:
   """``batch`` with its NumPy arrays sent to the default device (asynchronously: this returns before the copy is
   done), its device arrays as they are (the same objects); ``None`` where it cannot go ahead: a leaf that is
@@ -86,7 +115,8 @@ def on_device(batch) -> Optional[Any]:
   with the host arrays, as before.
 
   The copy is the one the step would make of the NumPy array (same default device, the same canonical dtype:
-  float64 becomes float32 without ``jax_enable_x64``), so the step is the same program on the same values.
+  float64 becomes float32 without ``jax_enable_x64``; a large array copied in slices is joined bit for bit), so
+  the step is the same program on the same values.
 
   Examples
   --------
@@ -103,7 +133,7 @@ def on_device(batch) -> Optional[Any]:
                                                      for x in leaves):
     return None
   try:
-    sent = jax.device_put([x for x in leaves if _copied(x)])
+    sent = [_put(x) for x in leaves if _copied(x)]
   except Exception:  # noqa: BLE001 -- the step meets the same data as before, and raises what it raised
     return None
   sent = iter(sent)
@@ -111,8 +141,9 @@ def on_device(batch) -> Optional[Any]:
 
 
 def prefetch_bytes(inputs, targets) -> int:
-  """Device bytes of the copy of one batch that ``fit`` sends ahead: what a memory plan must leave free beside
-  the step of a batch of this shape (0 for data already on the device, which is not copied).
+  """Device bytes that sending one unit of this shape ahead takes beside the running step: what a memory plan
+  must leave free (0 for data already on the device, which is not copied). A leaf copied in slices counts
+  twice: its slices and their join live together for a moment.
 
   The copy has the canonical dtype (float64 arrays take 4 bytes an element without ``jax_enable_x64``).
 
@@ -122,7 +153,7 @@ def prefetch_bytes(inputs, targets) -> int:
   >>> prefetch_bytes(np.ones((8, 5, 3)), np.zeros(8, np.int32))  # float64 sent as float32
   512
   """
-  return sum(int(x.size) * jax.dtypes.canonicalize_dtype(x.dtype).itemsize
+  return sum(int(x.size) * jax.dtypes.canonicalize_dtype(x.dtype).itemsize * (2 if _split(x) else 1)
              for x in _leaves((inputs, targets)) if _copied(x))
 
 
@@ -134,83 +165,126 @@ def _signature(batch):
   return treedef, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)
 
 
-class Ahead:
-  """The steps dispatched and not yet waited for, so that at most one piece of data is sent ahead of them.
+def _room_for(nbytes: int) -> bool:
+  """Whether the default device has room for ``nbytes`` more beside its arrays and the temporaries its loaded
+  programs reserve (always, where it reports no memory: a CPU)."""
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # noqa: BLE001 -- a backend without memory statistics
+    stats = None
+  if not stats or 'bytes_limit' not in stats:
+    return True
+  limit = stats['bytes_limit']
+  free = limit - stats.get('bytes_in_use', 0) - stats.get('bytes_reserved', 0)
+  return nbytes <= free - ROOM_MARGIN * limit
+
+
+class Sender:
+  """The steps dispatched and not yet waited for, so that at most one unit of data is sent ahead of them.
 
   ``send(data)``, after a step's :meth:`dispatched`, first waits for the step before that one (which the
-  device then has finished: its data is freed), then sends ``data``: the device holds the running step's data
-  and the data sent, no more. Where nothing is sent ahead (:func:`sends_ahead`) it sends nothing and never
-  waits.
+  device then has finished: its data is freed), then sends ``data`` if the device has room for it. Where nothing
+  is sent ahead (:func:`sends_ahead`) it sends nothing, and off the CPU it still keeps at most two steps
+  dispatched (each holds its data on the device).
   """
 
-  def __init__(self):
-    self.enabled = sends_ahead()
-    self._running: Deque[Any] = collections.deque(maxlen=2)  # outputs of the last two steps dispatched
+  def __init__(self, enabled: bool = True):
+    self.enabled = enabled and sends_ahead()
+    self.bounded = self.enabled or jax.default_backend() != 'cpu'
+    self._running: Deque[Any] = collections.deque()  # outputs of the steps dispatched and not waited for
 
   def dispatched(self, outputs) -> None:
     """A step was dispatched; ``outputs`` (any of its results) are ready when it is done."""
     self._running.append(outputs)
+    if not self.enabled and self.bounded:
+      self._wait(keep=1)
+
+  def _wait(self, keep: int) -> None:
+    while len(self._running) > keep:
+      jax.block_until_ready(self._running.popleft())
 
   def send(self, data) -> Optional[Any]:
     """``data`` on its way to the device (:func:`on_device`), or ``None`` where it stays on the host."""
     if not self.enabled:
       return None
-    if len(self._running) == 2:
-      jax.block_until_ready(self._running.popleft())
+    self._wait(keep=1)
+    if not _room_for(prefetch_bytes(data, ())):
+      return None
     return on_device(data)
 
 
+class Fed(NamedTuple):
+  """A batch as the feed hands it: the source's ``batch``, whether it is the pass's ``last``, and the copies of
+  its units sent ahead (``sent``: unit index -> device data; unit ``None``: the whole batch)."""
+  batch: Any
+  last: bool
+  sent: Dict[Optional[int], Any]
+
+
 class Feed:
-  """The batches of one pass, as ``(batch, is_last)``, each sent to the device while the step before it runs.
+  """The batches of one pass, as :class:`Fed` values, their units sent to the device while earlier ones run.
 
   It reads one batch ahead of the one it yields, with
   :func:`~brainpy_accum.trainer._window.with_last_flag` (whose behaviour it keeps: if reading the next batch
-  fails, the batch in hand is still yielded, as not last, before the error is raised), and sends that batch
-  ahead when the loop says that the step of the batch in hand was dispatched (:meth:`dispatched`). The loop
-  then gets the batch's copy, and checks, plans and steps it as it would the host batch (same shapes).
+  fails, the batch in hand is still yielded, as not last, before the error is raised). After the loop dispatched
+  a unit's step it calls :meth:`dispatched`, saying which unit comes next: a piece of the same batch (sent into
+  its ``sent``), or, after its last unit, the following batch's first unit, sent if that batch is like the one in
+  hand (same tree, shapes and dtypes: the same check and plan).
 
-  The data source may reuse a batch's host arrays when it makes the batch two after it (it may today: the loop
-  has called that batch's step by then): the copy of that batch is waited for before the source is read on.
+  The data source may reuse a batch's host arrays when it makes the batch two after it: the copies of that
+  batch are waited for before the source is read on.
+
+  Parameters
+  ----------
+  batches : iterable
+    The pass's batches.
+  sender : Sender
+    What sends units and bounds the steps in flight.
+  units : callable
+    ``units(inputs, targets) -> list`` of ``(start, size, slice)`` pieces of a batch, where ``slice()`` gives the
+    piece's data, or ``None`` for a batch that runs whole; called on the batch in hand, whose plan is known.
 
   Examples
   --------
   >>> import numpy as np, jax.numpy as jnp
-  >>> from brainpy_accum.trainer._feed import Feed
-  >>> from brainpy_accum.trainer._feed import overlapping
+  >>> from brainpy_accum.trainer._feed import Feed, Sender, overlapping
   >>> batches = [(np.full((2, 1), i, np.float32), np.zeros(2, np.float32)) for i in range(3)]
   >>> with overlapping(True):  # also on a CPU
-  ...   feed = Feed(batches)
-  >>> for (x, y), last in feed:
+  ...   feed = Feed(batches, Sender(), units=lambda x, y: None)
+  >>> for fed in feed:
+  ...   x, y = fed.sent.get(None, fed.batch)
   ...   loss = jnp.sum(x)                    # the step, dispatched
   ...   feed.dispatched(loss)                # the next batch is sent ahead
-  ...   print(type(x).__name__, float(loss), last)
+  ...   print(type(x).__name__, float(loss), fed.last)
   ndarray 0.0 False
   ArrayImpl 2.0 False
   ArrayImpl 4.0 True
   """
 
-  def __init__(self, batches: Iterable, put: bool = True):
-    self._batches = batches
-    self._ahead = Ahead()
-    self._ahead.enabled = self._ahead.enabled and put
-    self._in_hand: Any = _NOTHING     # the batch the loop has, as the source gave it
-    self._following: Any = _NOTHING   # the batch read ahead, as the source gave it
-    self._sent: Optional[Any] = None  # the copy of the batch read ahead, once sent
-    self._before: Optional[Any] = None  # the copy of the batch handed before the one in hand
+  def __init__(self, batches: Iterable, sender: Sender, units: Callable[[Any, Any], Optional[list]]):
+    self._batches, self.sender, self._units = batches, sender, units
+    self._in_hand: Optional[Fed] = None
+    self._following: Any = None       # the batch read ahead, as the source gave it (a list: nothing read)
+    self._first: Dict[Optional[int], Any] = {}  # its first unit, sent ahead
+    self._hand_copies: list = []  # the copies of the batch in hand's units, and of the batch read ahead's
+    self._following_copies: list = []
 
-  def __iter__(self) -> Iterator[Tuple[Any, bool]]:
+  @property
+  def enabled(self) -> bool:
+    return self.sender.enabled
+
+  def __iter__(self) -> Iterator[Fed]:
     for batch, last in with_last_flag(self._read()):
-      sent, self._sent, self._in_hand = self._sent, None, batch
-      yield (batch if sent is None else sent), last
-      self._before = sent
+      self._in_hand = Fed(batch, last, self._first)
+      self._first, self._hand_copies, self._following_copies = {}, self._following_copies, []
+      yield self._in_hand
 
   def _read(self) -> Iterator[Any]:
     """The source's batches, each kept as the one read ahead until the next is read."""
     iterator = iter(self._batches)
     while True:
-      if self._before is not None:  # the source may overwrite that batch's host arrays when it makes the next
-        jax.block_until_ready(self._before)
-        self._before = None
+      # the batch read now comes two after the one in hand, whose host arrays the source may reuse for it
+      jax.block_until_ready(self._hand_copies)
       self._following = _NOTHING
       try:
         batch = next(iterator)
@@ -219,13 +293,34 @@ class Feed:
       self._following = batch
       yield batch
 
-  def dispatched(self, outputs) -> None:
-    """The step of the batch in hand was dispatched (``outputs``: any of its results): send the batch read
-    ahead if it is like the one in hand (same tree, shapes and dtypes: the same check and plan)."""
-    following, self._following = self._following, _NOTHING
-    if not self._ahead.enabled:
+  def dispatched(self, outputs, piece: Optional[int] = None, pieces: int = 1) -> None:
+    """The step of the batch in hand's unit ``piece`` (``None``: the whole batch; else of ``pieces``) was
+    dispatched (``outputs``: any of its results): send the next unit."""
+    self.sender.dispatched(outputs)
+    if not self.enabled or self._in_hand is None:
       return
-    self._ahead.dispatched(outputs)
-    if following is not _NOTHING and _signature(following) is not None \
-        and _signature(following) == _signature(self._in_hand):
-      self._sent = self._ahead.send(following)
+    if piece is not None and piece + 1 < pieces:
+      self._send(self._in_hand.batch, piece + 1, self._in_hand.sent, self._hand_copies)
+      return
+    following = self._following
+    if following is _NOTHING or _signature(following) is None \
+        or _signature(following) != _signature(self._in_hand.batch):
+      return
+    self._send(following, None if piece is None else 0, self._first, self._following_copies)
+
+  def _send(self, batch, unit: Optional[int], into: dict, copies: list) -> None:
+    """Send ``unit`` of ``batch`` (``None``: all of it) into ``into``."""
+    if unit is None:
+      data = batch
+    else:
+      units = self._units(*batch)
+      if units is None:
+        return
+      data = units[unit][2]()
+    sent = self.sender.send(data)
+    if sent is not None:
+      into[unit] = sent
+      copies.append(sent)
+
+
+_NOTHING = object()

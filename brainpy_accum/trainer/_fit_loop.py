@@ -1,424 +1,330 @@
-"""The epochs of :meth:`AccumBPTT.fit`: checks, resets, the right compiled step per batch, reports, checkpoints.
+"""The epochs of :meth:`AccumBPTT.fit`: one :class:`FitLoop` for each call.
 
-Kept apart from the trainer so the loop reads in one sitting. It records what
-:class:`brainpy.BPTT` records (per-batch losses and metrics, report-window
-means) and adds to each report line how the batch was cut, how many batches
-make one update and, with ``skip_nonfinite``, how many were skipped. With a
-``checkpoint`` path it saves where the run stands (:mod:`brainpy_accum.checkpoint`) and, run
-again, resumes from there.
+bp.BPTT's loop is one straight path, ``for x, y: reset; f_train(shared_args, x, y); record; report``, and so is
+this one: for each batch of a :class:`~brainpy_accum.trainer._pass.Pass`, start it (reset), plan it
+(``num_micro_batch='auto'``), step it (whole, or streamed in pieces, each piece sent to the device while the one
+before computes), record, report. It records what :class:`brainpy.BPTT` records (per-batch losses and metrics,
+report-window means) and adds to each report line how the batch was cut, how many batches make one update and,
+with ``skip_nonfinite``, how many were skipped. With a ``checkpoint`` path it saves where the run stands
+(:class:`~brainpy_accum.checkpoint._resume.Run`) and, run again, resumes from there.
+
+The loop sees the trainer only through a :class:`LoopView`: its parts (planner, compiled steps, window, the
+first-batch check) and the few trainer methods it calls (:class:`TrainerHooks`), never the trainer itself.
 """
 
 import contextlib
-import itertools
-import os
-from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Sized, Tuple, cast
+from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Tuple
 
-import brainpy.math as bm
 import brainstate.environ
-import jax
+import brainstate.transform
 import jax.numpy as jnp
-from brainpy import tools
-from tqdm import tqdm
 
-from ..checkpoint._resume import Interrupted, Progress, StopRequest, act_on, check_checkpoint_args, deferred_signals
-from ..checkpoint._save_load import load, save_or_warn
-from ..core._states import all_samples, batched_variables, declared_batch_axes, values_restored
+from ..checkpoint._resume import Interrupted, Run, StopRequest, act_on, deferred_signals
+from ..core._states import batched_variables
 from ..diagnostics._compiles import count_compilations
 from ..memory._oom import run_with_retry
-from ..memory._stream import chunk_sizes, combine, host_chunk
-from ._arguments import check_carried_batch, check_carried_sizes, check_data, check_fit_args
-from ._feed import Ahead, Feed
-from ._report import PhaseLog
+from ..memory._stream import StreamedStates, chunk_sizes, combine_later, host_pieces
+from ._arguments import check_carried_batch, check_carried_sizes
+from ._coupled_loss import NO_CHECK
+from ._feed import Sender
+from ._pass import Batch, Pass, PhaseLog
 from ._window import steps_for_epoch
 
-__all__ = ['LoopOptions', 'Run', 'TrainerParts', 'fit', 'run_epoch']
+__all__ = ['FitLoop', 'LoopOptions', 'LoopSettings', 'LoopView', 'TrainerHooks']
 
 
-class TrainerParts(NamedTuple):
-  """What the loop calls on the trainer beyond its public attributes, handed over by the trainer itself."""
+class LoopSettings(NamedTuple):
+  """The trainer's options the loop reads."""
+  accumulate_steps: Any      # int or {epoch: k}
+  auto: bool                 # num_micro_batch='auto'
+  on_mesh: bool
+  loss_has_aux: bool
+  loss_weight_fn: Optional[Callable]
+  grad_reduction: str
+  skip_nonfinite: bool
+  jit: Dict[str, bool]       # bp.BPTT's jit, by phase
+  show_bars: bool            # progress_bar
+
+
+class TrainerHooks(NamedTuple):
+  """The trainer's methods the loop calls."""
   check_batch: Callable[[Any, Any], Any]         # (inputs, targets) -> BatchLayout; raises before anything changes
+  reset_state: Callable[[], None]                # bp.BPTT's reset_state, after the model's reset at a batch's size
   place_on_mesh: Callable[[int], None]           # (batch_size): the Variables on the mesh (nothing without one)
-  # (shared_args, inputs, targets[, before_planning]): the first batch's loss check, once: checks the model's
-  # states now, returns start() (or None; with metrics the check has started already), which starts the loss
-  # check and returns its finish() when it runs beside the first step (or, before_planning, beside the planner)
-  check_loss_once: Callable[..., Optional[Callable[[], Optional[Callable[..., None]]]]]
-  # (batch_size, error, inputs, targets, shared_args) -> what changed, after running out of memory (or raises)
-  replan_finer: Callable[..., str]
-  note_compilations: Callable[[str, int], None]  # (phase, count): XLA compilations of a step
-  step: Callable[[str], Callable]                # (kind) -> the compiled step: 'loss', 'fit', 'collect' or 'close'
-  without_time_step_bars: Callable[[], ContextManager]  # tracing without per-time-step progress bars
-  window: Any                                    # the accumulate_steps window (GradWindow) or None, for checkpoints
-  metric_plan: Callable[[], Any] = lambda: None  # () -> how the last traced step combined its metrics (MetricPlan)
-  plan_cached: Callable[..., bool] = lambda *batch: False  # (shared_args, inputs, targets): a cached plan to read
-  plan_chunk: Callable[..., Any] = None  # (inputs, targets, shared_args): the plan of a streamed batch's chunk
-  whole_batch_loss: Callable[..., Any] = None  # (shared_args, inputs, targets): bp.BPTT's loss of the whole batch
-  keep_history: Callable[..., None] = None  # (report, detailed train metrics, report, detailed test metrics)
-  wait_check: Callable[[], None] = lambda: None  # wait for the first-batch check if it runs (no report)
+  plan: Callable[..., Any]                       # (inputs, targets, shared_args): plan_memory ('auto')
+  replan_finer: Callable[..., str]               # (batch_size, error, inputs, targets, shared_args), out of memory
+  quiet: Callable[[], ContextManager]            # tracing without per-time-step progress bars
+  bptt_loss: Callable[..., Any]                  # (shared_args, inputs, targets): bp.BPTT's loss of the whole batch
+  keep_history: Callable[..., None]              # (report, detailed train metrics, report, detailed test metrics)
+  files: Any                                     # RunFiles: the checkpoints of a run
+
+
+class LoopView(NamedTuple):
+  """The trainer as the fit loop sees it: its parts, options and hooks, named once."""
+  target: Any           # the model
+  optimizer: Any        # its learning rate steps once an epoch
+  planner: Any          # Planner: plans, streamed chunks, descriptions, the budget
+  steps: Any            # CompiledSteps: the step of each kind, how metrics combine
+  window: Any           # GradWindow (accumulate_steps, streamed batches) or None
+  check: Any            # FirstBatchCheck: the first batch's pending check
+  compilations: Any     # Compilations: counts of the steps' compilations
+  skipped_steps: Any    # Variable: updates skipped as non-finite
+  settings: LoopSettings
+  hooks: TrainerHooks
 
 
 class LoopOptions(NamedTuple):
-  """The :meth:`fit` arguments every epoch needs."""
+  """The :meth:`fit` arguments every pass needs (checked)."""
   num_report: int
   reset_state: bool
   shared_args: Any
   fun_after_report: Optional[Callable]
-  show_bars: bool
+  checkpoint: Optional[str] = None
+  checkpoint_every: Optional[int] = None
 
 
-class Run:
-  """One :meth:`fit` call's progress, its metric logs and its checkpoints."""
+class FitLoop:
+  """One :meth:`fit` call: its run and checkpoints, its logs, and the first-batch check it holds."""
 
-  def __init__(self, trainer, window, checkpoint: Optional[str], checkpoint_every: Optional[int]):
-    self.trainer, self.window, self.checkpoint, self.every = trainer, window, checkpoint, checkpoint_every
+  def __init__(self, view: LoopView, options: LoopOptions):
+    self.view, self.options = view, options
     self.logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
-    self.progress = Progress()
-    self._test_log_at_start: Optional[dict] = None  # the test log before the running test pass
+    self.run = Run(view.hooks.files, self.logs, options.checkpoint, options.checkpoint_every)
+    self.check = NO_CHECK  # the first-batch check, once one is pending
+    self._budget_checked = False  # once a fit: the device's room (other arrays may have come)
+    self._layout = None  # the batch in hand's layout: the feed cuts batches like it
 
-  def resume(self) -> None:
-    """Continue from the checkpoint if one exists (a checkpoint saved by hand: its state, from epoch 0)."""
-    if self.checkpoint is None or not os.path.exists(self.checkpoint):
-      return
-    saved = load(self.trainer, self.checkpoint, self.window)
-    if saved is not None:
-      self.progress, history = saved
-      for phase, log in self.logs.items():
-        if phase in history:
-          log.restore(history[phase])
-    tqdm.write(f'resuming from checkpoint={self.checkpoint!r} at epoch {self.progress.epoch}, '
-               f'{self.progress.trained} batches of it trained')
-
-  def batch_trained(self, update: bool) -> None:
-    self.progress = self.progress._replace(trained=self.progress.trained + 1,
-                                           updates=self.progress.updates + int(update))
-
-  def after_report(self, update: bool) -> None:
-    """Every ``checkpoint_every`` updates, a checkpoint."""
-    if update and self.every is not None and self.progress.updates % self.every == 0:
-      self.save()
-
-  def test_starts(self) -> None:
-    self._test_log_at_start = self.logs['test'].state()
-
-  def epoch_done(self) -> None:
-    self.progress, self._test_log_at_start = self.progress.next_epoch(), None
-    self.save()
-
-  def save(self) -> None:
-    """A checkpoint of the trainer and of where the run stands (a test pass under way is run again)."""
-    if self.checkpoint is None:
-      return
-    history = {phase: log.state() for phase, log in self.logs.items()}
-    if self._test_log_at_start is not None:
-      history['test'] = self._test_log_at_start
-    save_or_warn(self.trainer, self.checkpoint, self.window, (self.progress, history))
-
-
-def fit(trainer, parts: TrainerParts, train_data, test_data, num_epoch: int, num_report: int, reset_state: bool,
-        shared_args, fun_after_report: Optional[Callable], batch_size, checkpoint=None, checkpoint_every=None) -> None:
-  """:meth:`AccumBPTT.fit`: check the arguments, run (or resume) the epochs, keep the metrics as ``bp.BPTT``.
-
-  ``trainer`` is read through its public attributes (and bp.BPTT's history, which the loop fills);
-  everything else the loop calls comes in ``parts``.
-  """
-  check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size, shared_args)
-  num_epoch, num_report = int(num_epoch), int(num_report)  # NumPy integers too
-  checkpoint_every = check_checkpoint_args(checkpoint, checkpoint_every)
-  check_data('train_data', train_data)
-  if test_data is not None:
-    check_data('test_data', test_data)
-  shared_args = tools.DotDict({'fit': True, **(shared_args or {})})
-  options = LoopOptions(num_report, reset_state, shared_args, fun_after_report, show_bars=trainer.progress_bar)
-  run = Run(trainer, parts.window, None if checkpoint is None else os.fspath(checkpoint), checkpoint_every)
-  run.resume()
-  if not reset_state:  # every batch of a list continues the model state: all of its size, before any update
-    check_carried_sizes(trainer.target, lambda x, y: parts.check_batch(x, y).batch_size, train_data=train_data,
-                        test_data=test_data)
-  logs = run.logs
-  try:
-    with parts.without_time_step_bars(), brainstate.environ.context(fit=True), deferred_signals() as stop:
-      for epoch in range(run.progress.epoch, num_epoch):
-        if not run.progress.trained_all:
-          run_epoch(trainer, parts, 'fit', train_data, logs['fit'], epoch, options, run, stop)
-          trainer.optimizer.lr.step_epoch()
-          run.progress = run.progress._replace(trained_all=True)
-        if test_data is not None:
-          run.test_starts()
-          run_epoch(trainer, parts, 'test', test_data, logs['test'], epoch, options, run, stop)
-        run.epoch_done()
-        stop.check()
-  except (Interrupted, KeyboardInterrupt) as interruption:
-    if not getattr(interruption, 'forced', False):  # a second Ctrl-C mid-step may have left a half-written step
-      run.save()
-    parts.keep_history(*logs['fit'].arrays(), *logs['test'].arrays())
-    if not isinstance(interruption, Interrupted):
-      raise
-    act_on(interruption.signum)  # Ctrl-C: KeyboardInterrupt; SIGTERM: its previous handler (default: exit)
-  finally:
-    parts.keep_history(*logs['fit'].arrays(), *logs['test'].arrays())
-
-
-def run_epoch(trainer, parts: TrainerParts, phase: str, data, log: PhaseLog, epoch: int, options: LoopOptions,
-              run: Run, stop: StopRequest) -> None:
-  """Run one pass of ``phase`` (``'fit'`` or ``'test'``) over ``data``; a resumed training pass skips the
-  batches already trained and continues the report window it had open."""
-  batches = data() if callable(data) else data
-  skip = run.progress.trained if phase == 'fit' else 0
-  bar = (tqdm(total=len(cast(Sized, batches)), initial=skip)
-         if options.show_bars and hasattr(batches, '__len__') else None)
-  window = steps_for_epoch(trainer.accumulate_steps, epoch) if phase == 'fit' else 1
-  if skip == 0:
-    log.start_epoch()
-  checking: List[Callable[..., None]] = []  # the first-batch check, started beside the first step
-  feed = Feed(itertools.islice(batches, skip, None), put=trainer.mesh is None)  # (the step places a mesh's shares)
-  try:
-    for position, (batch, last) in enumerate(feed, start=skip):
-      inputs, targets = _pair(phase, position, batch)
-      layout = parts.check_batch(inputs, targets)  # before anything changes
-      _start_batch(trainer, parts, phase, position, layout.batch_size, options)
-      early, start = _planned(trainer, parts, phase, options, inputs, targets, layout.batch_size)
-      update = last or (position + 1) % window == 0
-      chunk = trainer.stream_chunks.get(layout.batch_size)
-      if chunk is None:
-        loss, aux = _unstreamed(trainer, parts, phase, update, options, inputs, targets, layout.batch_size,
-                                (early, start), checking, feed)
-      else:
-        loss, aux = _run_streamed(trainer, parts, phase, update, options, inputs, targets, layout, chunk,
-                                  early or _started(start))
-      log.record(loss, aux, _describe(trainer, layout.batch_size, window))
-      _batch_done(trainer, log, run, bar, phase, update, options, checking)
-      stop.check()
-    _finish(checking)
-    parts.wait_check()  # one started ahead and then not needed (a batch in one piece): no thread outlives fit
-    if options.num_report <= 0:
-      _emit(trainer, log, epoch, 'epoch', phase, bar, options.fun_after_report)
-  except BaseException:
-    _finish(checking)  # no thread of the check outlives fit; the step it accompanied ran: its warnings apply
-    parts.wait_check()
-    raise
-  finally:
-    if bar is not None:
-      bar.close()
-
-
-def _start_batch(trainer, parts: TrainerParts, phase: str, position: int, batch_size: int,
-                 options: LoopOptions) -> None:
-  """The model state a batch starts from: reset at its size (or, carried, checked to hold as many samples), and
-  the Variables on the mesh."""
-  if options.reset_state:
-    trainer.target.reset(batch_size)
-    trainer.reset_state()
-  else:  # the model state this batch continues holds as many samples
-    check_carried_batch(trainer.target, batch_size, f'{"train" if phase == "fit" else "test"}_data', position)
-  parts.place_on_mesh(batch_size)  # the same placement every step: one compilation per batch shape
-
-
-def _planned(trainer, parts: TrainerParts, phase: str, options: LoopOptions, inputs, targets, batch_size: int):
-  """``num_micro_batch='auto'``: the batch size planned. Returns the first-batch check (once per trainer, changes
-  nothing) as ``(early, start)``: ``early``, started before planning (it compiles beside the search), or
-  ``start``, to start once the first step is dispatched; ``None`` where there is none."""
-  if trainer.num_micro_batch != 'auto':
-    return None, None
-  early, start = None, parts.check_loss_once(options.shared_args, inputs, targets, True) if phase == 'fit' else None
-  if start is not None and not parts.plan_cached(options.shared_args, inputs, targets):
-    start, early = None, start()  # before planning: it compiles beside the search (a cached plan has none)
-  with _finishing(early, report=False), _errors_of_the_whole_batch(parts, options.shared_args, inputs, targets):
-    trainer.plan_memory(inputs, targets, options.shared_args)
-  if batch_size not in trainer.stream_chunks and trainer.num_micro_batch_for(batch_size) == 1:
-    if early is not None:  # one micro-batch: accumulation trains the whole batch's loss, nothing to warn
-      early(report=False)  # about (a streamed batch's chunks are combined like micro-batches: its check stays)
-    early = start = None
-  return early, start
-
-
-def _unstreamed(trainer, parts: TrainerParts, phase: str, update: bool, options: LoopOptions, inputs, targets,
-                batch_size: int, check: tuple, checking: List[Callable[..., None]], feed: Feed):
-  """One batch's step (not streamed); the first-batch check started beside it (``check``: ``(early, start)``
-  of :func:`_planned`) goes to ``checking``. Its ``(loss, aux)``."""
-  early, start = check
-  if early is None and start is None and phase == 'fit':
-    start = parts.check_loss_once(options.shared_args, inputs, targets)
-  kind = _step_kind(trainer, phase, update)
-  with _finishing(early), _closing(parts.window, kind == 'close' and not update):
-    loss, aux = _run_step(trainer, parts, phase, kind, options, inputs, targets, batch_size)
-  feed.dispatched(loss)  # the next batch on its way to the device while this step runs
-  # the check not started yet is traced now, while the step runs (dispatched), compiled and run beside it and the
-  # next; its warnings once the next is dispatched (or at a report, or the pass's end)
-  _finish(checking)
-  started = _started(start)
-  if started is not None:
-    checking.append(started)
-  return loss, aux
-
-
-def _batch_done(trainer, log: PhaseLog, run: Run, bar, phase: str, update: bool, options: LoopOptions,
-                checking: List[Callable[..., None]]) -> None:
-  """After a batch's step: where the run stands, the progress bar, a report every ``num_report`` batches (the
-  first-batch check's warnings before it) and a checkpoint every ``checkpoint_every`` updates."""
-  if phase == 'fit':
-    run.batch_trained(update)
-  if bar is not None:
-    bar.update(1)
-  if options.num_report > 0 and log.steps % options.num_report == 0:
-    _finish(checking)  # its warnings before the report
-    _emit(trainer, log, log.steps, 'steps', phase, bar, options.fun_after_report)
-  if phase == 'fit':
-    run.after_report(update)
-
-
-def _started(start: Optional[Callable[[], Optional[Callable[..., None]]]]) -> Optional[Callable[..., None]]:
-  """The first-batch check started now: its ``finish()``, or ``None``."""
-  return None if start is None else start()
-
-
-@contextlib.contextmanager
-def _finishing(finish: Optional[Callable[..., None]], report: bool = True):
-  """Around the first step: then ``finish()`` the first-batch check running beside it (its warnings); if the
-  step raises, wait for the check without reporting it, so that no thread of it outlives ``fit``.
-  ``report=False`` (around planning): only the wait on an error; the check goes on beside what follows."""
-  try:
-    yield
-  except BaseException:
-    if finish is not None:
-      finish(report=False)
-    raise
-  if finish is not None and report:
-    finish()
-
-
-def _finish(checking: List[Callable[..., None]], report: bool = True) -> None:
-  """Wait for the first-batch checks in ``checking`` and give their warnings (``report=False``: only wait);
-  empties it."""
-  while checking:
-    checking.pop(0)(report=report)
-
-
-@contextlib.contextmanager
-def _errors_of_the_whole_batch(parts: TrainerParts, shared_args, inputs, targets):
-  """Around what traces the model on micro-batches (planning, a step): if it raises, and the model or ``loss_fun``
-  fails on the whole batch too (bp.BPTT's own loss function, traced for shapes only: nothing changes), raise
-  that error instead, the one bp.BPTT gives: a mistake in the user's code or data then reads the same with
-  either trainer, and is not blamed on a micro-batch (whose shapes can make it fail elsewhere, or misleadingly).
-  Where the whole batch traces, the micro-batch's error is raised as it was."""
-  try:
-    yield
-  except Exception as error:
+  def fit(self, train_data, test_data, num_epoch: int) -> None:
+    """Run (or resume) the epochs; the metric history where bp.BPTT keeps it, also when interrupted."""
+    self.run.resume()
+    if not self.options.reset_state:  # every batch of a list continues the model state: all of its size, first
+      check_carried_sizes(self.view.target, self._batch_size, train_data=train_data, test_data=test_data)
     try:
-      brainstate.transform.eval_shape(parts.whole_batch_loss, shared_args, inputs, targets)
-    except Exception as whole:
-      if type(whole) is type(error) and str(whole) == str(error):
+      with self.view.hooks.quiet(), brainstate.environ.context(fit=True), deferred_signals() as stop:
+        for epoch in range(self.run.progress.epoch, num_epoch):
+          if not self.run.progress.trained_all:
+            self._pass(Pass('fit', train_data, self.logs['fit'], self.run.progress.trained,
+                            steps_for_epoch(self.view.settings.accumulate_steps, epoch)), epoch, stop)
+            self.view.optimizer.lr.step_epoch()
+            self.run.trained_all()
+          if test_data is not None:
+            self.run.test_starts()
+            self._pass(Pass('test', test_data, self.logs['test']), epoch, stop)
+          self.run.epoch_done()
+          stop.check()
+    except (Interrupted, KeyboardInterrupt) as interruption:
+      if not getattr(interruption, 'forced', False):  # a second Ctrl-C mid-step may have left a half-written step
+        self.run.save()
+      self._keep_history()
+      if not isinstance(interruption, Interrupted):
         raise
-      whole.add_note(f'(AccumBPTT: the model or loss_fun fails on the whole batch, as with bp.BPTT; on a '
-                     f'micro-batch it failed with {type(error).__name__}: {str(error).splitlines()[0][:200]})')
-      raise whole from None
-    raise
+      act_on(interruption.signum)  # Ctrl-C: KeyboardInterrupt; SIGTERM: its previous handler (default: exit)
+    finally:
+      self._keep_history()
 
+  def _batch_size(self, inputs, targets) -> int:
+    return self.view.hooks.check_batch(inputs, targets).batch_size
 
-def _pair(phase: str, position: int, batch) -> Tuple[Any, Any]:
-  """``(inputs, targets)`` of one batch, or an error naming the data before anything runs."""
-  if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-    name = 'train_data' if phase == 'fit' else 'test_data'
-    what = f'{type(batch).__name__} of length {len(batch)}' if isinstance(batch, (tuple, list)) else type(batch).__name__
-    raise ValueError(f'{name} gave a {what} as batch {position}: each batch must be a pair (inputs, targets).')
-  return batch[0], batch[1]
+  def _keep_history(self) -> None:
+    self.view.hooks.keep_history(*self.logs['fit'].arrays(), *self.logs['test'].arrays())
 
+  def _pass(self, one: Pass, epoch: int, stop: StopRequest) -> None:
+    """One pass: each batch started, planned, stepped, recorded and reported."""
+    one.start(self.view.settings.show_bars, Sender(enabled=not self.view.settings.on_mesh), self._pieces)
+    try:
+      for batch in one.batches(self.view.hooks.check_batch):
+        self._start(one, batch)
+        streamed = batch.size in self.view.planner.stream_chunks
+        loss, aux = self._streamed(one, batch) if streamed else self._whole(one, batch)
+        one.log.record(loss, aux, self._describe(batch.size, one.every))
+        self._done(one, batch)
+        stop.check()
+      self.check.finish()
+      if self.options.num_report <= 0:
+        self._report(one, epoch, 'epoch')
+    except BaseException:
+      self.check.finish()  # no thread of the check outlives fit; the step it accompanied ran: its warnings apply
+      raise
+    finally:
+      one.close()
 
-def _step_kind(trainer, phase: str, update: bool, streamed: bool = False) -> str:
-  """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or on a mesh the
-  ``accumulate_steps`` window's update), ``'collect'`` (on a mesh: into the window, no update) or ``'close'``
-  (every step through the window without a mesh, a streamed chunk's or an ``accumulate_steps`` batch's: the
-  window's ``closes`` flag, set around it by :func:`_closing`, says whether it updates; one program for both)."""
-  if phase != 'fit':
-    return 'loss'
-  if (streamed or trainer.accumulate_steps != 1) and trainer.mesh is None:
-    return 'close'
-  return 'fit' if update else 'collect'
+  def _start(self, one: Pass, batch: Batch) -> None:
+    """The model state a batch starts from (reset at its size, or, carried, checked to hold as many samples), the
+    Variables on the mesh, and with ``num_micro_batch='auto'`` its plan."""
+    self._layout = batch.layout
+    if self.options.reset_state:
+      self.view.target.reset(batch.size)
+      self.view.hooks.reset_state()
+    else:
+      check_carried_batch(self.view.target, batch.size, f'{"train" if one.phase == "fit" else "test"}_data',
+                          batch.position)
+    self.view.hooks.place_on_mesh(batch.size)  # the same placement every step: one compilation per batch shape
+    if self.view.settings.auto:
+      self._plan(one, batch)
 
+  def _plan(self, one: Pass, batch: Batch) -> None:
+    """``num_micro_batch='auto'``: the batch size planned, the first-batch check started beside the planner's
+    search (where it can be: nothing to plan, a cached plan) and dropped where the batch runs in one piece."""
+    planner, shared_args = self.view.planner, self.options.shared_args
+    if not self._budget_checked:
+      self._budget_checked = True
+      if planner.recheck_budget(batch.inputs, batch.targets):  # the plans it dropped: their steps trace again
+        self.view.steps.rebuild()
+    if one.phase == 'fit' and self.check is NO_CHECK:
+      self.check = self.view.check.pending(shared_args, batch.inputs, batch.targets, before_planning=True)
+      if not planner.is_cached(shared_args, batch.inputs, batch.targets):
+        self.check.start()  # it compiles beside the search
+    with self.check.around_step(report=False), self._errors_of_the_whole_batch(batch):
+      self.view.hooks.plan(batch.inputs, batch.targets, shared_args)
+    if batch.size not in planner.stream_chunks and planner.plan_for(batch.size).num_micro_batches == 1:
+      self.check.finish(report=False)  # one micro-batch trains the whole batch's loss: nothing to warn about
 
-def _run_step(trainer, parts: TrainerParts, phase: str, kind: str, options: LoopOptions, inputs, targets,
-              batch_size: int):
-  """Run one compiled step (again, cut finer, after running out of device memory); its ``(loss, aux)``."""
-  with _errors_of_the_whole_batch(parts, options.shared_args, inputs, targets):
-    result, compiles = run_with_retry(
-      lambda: _call_step(parts.step(kind), options.shared_args, inputs, targets),
-      lambda error: parts.replan_finer(batch_size, error, inputs, targets, options.shared_args))
-  step_phase = 'fit' if phase == 'fit' else 'loss'
-  if trainer.jit[step_phase]:  # without jit every operation compiles on its own: nothing to count
-    parts.note_compilations(step_phase, compiles)
-  return _split_result(trainer, phase, result)
+  def _whole(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
+    """One batch's step, in one piece (cut into micro-batches inside it)."""
+    if one.phase == 'fit' and self.check is NO_CHECK:  # started once this step runs, finished after the next
+      self.check = self.view.check.pending(self.options.shared_args, batch.inputs, batch.targets)
+    update = one.updates(batch)
+    kind = self._kind(one.phase, update)
+    with self.check.around_step(report=False), self._closing(kind == 'close' and not update):
+      loss, aux = self._step(kind, batch.data, batch.size, batch)
+    one.feed.dispatched(loss)  # the next batch on its way to the device while this step runs
+    self.check.finish()  # one started before (beside planning, or the first step): its warnings now
+    self.check.start()  # else traced now, while the step runs; its warnings after the next, a report or the end
+    return loss, aux
 
+  def _streamed(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
+    """A batch streamed in pieces (:mod:`~brainpy_accum.memory._stream`): each piece's sums into the window,
+    the last updates; each piece starts from its samples' slice of the whole batch's model state."""
+    states = StreamedStates(batched_variables(self.view.target, batch.size), batch.size)
+    pieces, results, weights = self._pieces(batch.inputs, batch.targets), [], []
+    update, weigh = one.updates(batch), self.view.settings.loss_weight_fn
+    with states.declared():
+      for i, (start, size, piece) in enumerate(pieces):
+        data = batch.sent.pop(i, None) or piece()
+        states.enter(start, size)
+        self.view.planner.plan_chunk(*data, self.options.shared_args)  # the shorter last has its own plan
+        if i == 0 and one.phase == 'fit':
+          self._check_streamed(batch, data, size, states)
+        last = update and i == len(pieces) - 1
+        kind = self._kind(one.phase, last, streamed=True)
+        with self.check.around_step(report=False), self._closing(kind == 'close' and not last):
+          results.append(self._step(kind, data, size, batch))
+        one.feed.dispatched(results[-1][0], i, len(pieces))  # the next piece (or batch) on its way
+        self.check.finish()
+        weights.append(size if weigh is None else weigh(*data))  # read with the results, when reported
+        states.leave()
+    states.join()
+    return combine_later(results, weights, self.view.settings.grad_reduction, self.view.steps.metric_rules,
+                         chunk_sizes(batch.size, self.view.planner.stream_chunks[batch.size]))
 
-def _run_streamed(trainer, parts: TrainerParts, phase: str, update: bool, options: LoopOptions, inputs, targets,
-                  layout, chunk: int, early: Optional[Callable[..., None]] = None):
-  """A batch streamed from the host (:mod:`~brainpy_accum.memory._stream`): each chunk's sums into the window, the last updates.
+  def _pieces(self, inputs, targets) -> Optional[list]:
+    """The pieces of a batch like the one in hand (:func:`~brainpy_accum.memory._stream.host_pieces`), or
+    ``None`` where it runs whole."""
+    chunk = self.view.planner.stream_chunks.get(self._layout.batch_size)
+    return None if chunk is None else host_pieces(inputs, targets, self._layout, chunk)
 
-  ``early``: the first-batch check started before planning, reported after the first chunk's step.
+  def _check_streamed(self, batch: Batch, data: tuple, size: int, states: StreamedStates) -> None:
+    """The first-batch check of a streamed batch, on its first piece: the pieces combine like micro-batches, so
+    samples the step trains in one piece are still checked cut in two. A piece of one sample: the check takes
+    the batch's first two samples (and their model state), which need no more memory than two samples."""
+    if self.check is NO_CHECK:
+      if size >= 2:
+        self.check = self.view.check.pending(self.options.shared_args, *data, streamed=True)
+      else:
+        first_two = host_pieces(batch.inputs, batch.targets, batch.layout, 2)[0][2]()
+        with states.first_samples(2):
+          self.check = self.view.check.pending(self.options.shared_args, *first_two, streamed=True)
+          self.check.start()
+    self.check.start()
 
-  Each chunk starts from its samples' slice of the whole batch's model state (reset at the batch size, as
-  ``bp.BPTT`` resets it, so random initial states are the same draws) and writes its final state back.
-  """
-  states = batched_variables(trainer.target, layout.batch_size)
-  whole = {name: all_samples(name, var, axis, layout.batch_size) for name, (var, axis) in states.items()}
-  # each chunk's final state, joined after the last: every chunk starts from a slice of the state as fit left
-  # it (weakly typed after a reset, as bp.BPTT's step takes it), so every chunk's step is the same program
-  finals: Dict[str, list] = {name: [] for name in states}
-  sizes, results, weights = chunk_sizes(layout.batch_size, chunk), [], []
-  starts = list(itertools.accumulate([0] + sizes[:-1]))
-  # sliced when needed (NumPy slices are views; slices of device data are copies: one at a time)
-  chunk_at = lambda i: (host_chunk(inputs, layout.input_axes, starts[i], sizes[i]),
-                        host_chunk(targets, layout.target_axes, starts[i], sizes[i]))
-  ahead, sent = Ahead(), None  # the next chunk on its way to the device while this one's step runs
-  with declared_batch_axes(states.values()):
-    for i, (start, size) in enumerate(zip(starts, sizes)):
-      x, y = chunk_at(i)
-      fed = sent or (x, y)
-      for name, (var, axis) in states.items():
-        var.value = jax.lax.dynamic_slice_in_dim(whole[name], start, size, axis=axis)  # one program for all starts
-      parts.plan_chunk(x, y, options.shared_args)  # the shorter last chunk has its own plan
-      finish = (early or _check_streamed(parts, options, inputs, targets, layout, x, y, size, states, whole)
-                ) if phase == 'fit' and i == 0 else None
-      last = update and i == len(sizes) - 1
-      kind = _step_kind(trainer, phase, last, streamed=True)
-      with _finishing(finish), _closing(parts.window, kind == 'close' and not last):
-        results.append(_run_step(trainer, parts, phase, kind, options, *fed, size))
-      ahead.dispatched(results[-1][0])
-      sent = ahead.send(chunk_at(i + 1)) if i + 1 < len(sizes) else None
-      # read as numbers with the results, at the end: reading one now would wait for the device
-      weights.append(size if trainer.loss_weight_fn is None else trainer.loss_weight_fn(*fed))
-      for name, (var, _) in states.items():
-        finals[name].append(bm.as_jax(var.value))
-    for name, (var, axis) in states.items():
-      var.value = jnp.concatenate(finals[name], axis=axis)
-  return combine(results, [float(w) for w in weights], trainer.grad_reduction, parts.metric_plan(), sizes)
+  def _step(self, kind: str, data: tuple, size: int, batch: Batch) -> Tuple[Any, dict]:
+    """Run one compiled step on ``data`` (``size`` samples of ``batch``; again, cut finer, after running out of
+    device memory); its ``(loss, aux)``."""
+    shared_args, phase = self.options.shared_args, 'loss' if kind == 'loss' else 'fit'
+    with self._errors_of_the_whole_batch(batch):
+      result, compiles = run_with_retry(
+        lambda: _call_step(self.view.steps.step(kind), shared_args, *data),
+        lambda error: self.view.hooks.replan_finer(size, error, *data, shared_args))
+    if self.view.settings.jit[phase]:  # without jit every operation compiles on its own: nothing to count
+      self.view.compilations.note(phase, compiles)
+    if kind == 'loss':
+      return result if self.view.settings.loss_has_aux else (result, {})
+    return result[0], (result[1] if self.view.settings.loss_has_aux else {})
 
+  def _kind(self, phase: str, update: bool, streamed: bool = False) -> str:
+    """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or on a mesh the
+    ``accumulate_steps`` window's update), ``'collect'`` (on a mesh: into the window, no update) or ``'close'``
+    (every step through the window without a mesh, a streamed piece's or an ``accumulate_steps`` batch's: the
+    window's ``closes`` flag, set around it by :meth:`_closing`, says whether it updates; one program for both)."""
+    if phase != 'fit':
+      return 'loss'
+    if (streamed or self.view.settings.accumulate_steps != 1) and not self.view.settings.on_mesh:
+      return 'close'
+    return 'fit' if update else 'collect'
 
-@contextlib.contextmanager
-def _closing(window, collect_only: bool):
-  """Run a ``'close'`` step (a streamed chunk's, or an ``accumulate_steps`` batch's) without the update
-  (``collect_only``): the window's ``closes`` flag, an argument of the step, is False inside and True again
-  after."""
-  if not collect_only:
-    yield
-    return
-  window.closes.value = jnp.asarray(False)
-  try:
-    yield
-  finally:
-    window.closes.value = jnp.asarray(True)
+  @contextlib.contextmanager
+  def _closing(self, collect_only: bool):
+    """Run a ``'close'`` step without the update (``collect_only``): the window's ``closes`` flag, an argument
+    of the step, is False inside and True again after."""
+    if not collect_only:
+      yield
+      return
+    self.view.window.closes.value = jnp.asarray(False)
+    try:
+      yield
+    finally:
+      self.view.window.closes.value = jnp.asarray(True)
 
+  @contextlib.contextmanager
+  def _errors_of_the_whole_batch(self, batch: Batch):
+    """Around what traces the model on micro-batches (planning, a step): if it raises, and the model or
+    ``loss_fun`` fails on the whole batch too (bp.BPTT's own loss function, traced for shapes only: nothing
+    changes), raise that error instead, the one bp.BPTT gives: a mistake in the user's code or data then reads the
+    same with either trainer, and is not blamed on a micro-batch. Where the whole batch traces, the micro-batch's
+    error is raised as it was."""
+    try:
+      yield
+    except Exception as error:
+      try:
+        brainstate.transform.eval_shape(self.view.hooks.bptt_loss, self.options.shared_args, batch.inputs,
+                                        batch.targets)
+      except Exception as whole:
+        if type(whole) is type(error) and str(whole) == str(error):
+          raise
+        whole.add_note(f'(AccumBPTT: the model or loss_fun fails on the whole batch, as with bp.BPTT; on a '
+                       f'micro-batch it failed with {type(error).__name__}: {str(error).splitlines()[0][:200]})')
+        raise whole from None
+      raise
 
-def _check_streamed(parts: TrainerParts, options: LoopOptions, inputs, targets, layout, x, y, size: int,
-                    states: dict, whole: dict):
-  """The first-batch check of a streamed batch, on its first chunk ``x, y`` of ``size`` samples: the chunks
-  combine like micro-batches, so samples the step trains in one piece are still checked cut in two. A chunk of
-  one sample: the check takes the batch's first two samples (and their slice of the model ``states``, from
-  ``whole``), which need no more memory than the check of a chunk of two; the chunk's states are put back."""
-  if size >= 2:
-    return _started(parts.check_loss_once(options.shared_args, x, y, streamed=True))
-  with values_restored([var for var, _ in states.values()], any_shape=True):
-    for name, (var, axis) in states.items():
-      var.value = jax.lax.dynamic_slice_in_dim(whole[name], 0, 2, axis=axis)
-    return _started(parts.check_loss_once(options.shared_args, host_chunk(inputs, layout.input_axes, 0, 2),
-                                          host_chunk(targets, layout.target_axes, 0, 2), streamed=True))
+  def _done(self, one: Pass, batch: Batch) -> None:
+    """After a batch's step: where the run stands, the progress bar, a report every ``num_report`` batches (the
+    first-batch check's warnings before it) and a checkpoint every ``checkpoint_every`` updates."""
+    update = one.updates(batch)
+    if one.phase == 'fit':
+      self.run.batch_trained(update)
+    one.show()
+    if self.options.num_report > 0 and one.log.steps % self.options.num_report == 0:
+      self.check.finish()
+      self._report(one, one.log.steps, 'steps')
+    if one.phase == 'fit':
+      self.run.after_report(update)
+
+  def _report(self, one: Pass, idx: int, unit: str) -> None:
+    skipped = self.view.settings.skip_nonfinite and one.phase == 'fit'
+    line, means = one.log.close_window(
+      idx, unit, f', skipped {int(self.view.skipped_steps.value)} non-finite' if skipped else '')
+    one.show(line)
+    if self.options.fun_after_report is not None:
+      self.options.fun_after_report(idx, means, one.phase)
+
+  def _describe(self, batch_size: int, every: int) -> str:
+    chunk, planner = self.view.planner.stream_chunks.get(batch_size), self.view.planner
+    if chunk is None:
+      text = planner.describe(batch_size)
+    else:
+      text = (f'batch {batch_size} streamed in {len(chunk_sizes(batch_size, chunk))} chunks of '
+              f'{planner.describe(chunk).replace("batch ", "", 1)}')
+    return text + (f', {every} batches per update' if every > 1 else '')
 
 
 def _call_step(step: Callable, shared_args, inputs, targets):
@@ -426,30 +332,3 @@ def _call_step(step: Callable, shared_args, inputs, targets):
   with count_compilations() as compiled:
     result = step(shared_args, inputs, targets)
   return result, compiled()
-
-
-def _describe(trainer, batch_size: int, window: int) -> str:
-  chunk = trainer.stream_chunks.get(batch_size)
-  if chunk is None:
-    text = trainer.describe_batch(batch_size)
-  else:
-    text = (f'batch {batch_size} streamed in {len(chunk_sizes(batch_size, chunk))} chunks of '
-            f'{trainer.describe_batch(chunk).replace("batch ", "", 1)}')
-  return text + (f', {window} batches per update' if window > 1 else '')
-
-
-def _split_result(trainer, phase: str, result) -> Tuple[Any, dict]:
-  if phase == 'fit':
-    return result[0], (result[1] if trainer.loss_has_aux else {})
-  return result if trainer.loss_has_aux else (result, {})
-
-
-def _emit(trainer, log: PhaseLog, idx: int, unit: str, phase: str, bar, fun_after_report) -> None:
-  skipped = trainer.skip_nonfinite and phase == 'fit'
-  line, means = log.close_window(idx, unit, f', skipped {int(trainer.skipped_steps.value)} non-finite' if skipped else '')
-  if bar is not None:
-    bar.set_description(line, refresh=True)
-  else:
-    print(line)
-  if fun_after_report is not None:
-    fun_after_report(idx, means, phase)

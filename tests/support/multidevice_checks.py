@@ -222,8 +222,8 @@ def test_devices_draw_different_random_numbers(mesh):
 
 
 def test_devices_benchmark_measures():
-  """``python -m brainpy_accum.bench.devices`` at a tiny size: figures come out and the table is written."""
-  from brainpy_accum.bench.devices import markdown, measure_one
+  """``python -m brainpy_accum.bench.mesh`` at a tiny size: figures come out and the table is written."""
+  from brainpy_accum.bench.mesh import markdown, measure_one
   from brainpy_accum.bench.workloads import Shape
 
   tiny = Shape(batch=16, time=4, hidden=8, inputs=4)

@@ -19,7 +19,7 @@ import pytest
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.core._states import values_restored
 from brainpy_accum.trainer import _feed, _fit_loop
-from brainpy_accum.trainer._feed import Feed, on_device, overlapping, prefetch_bytes, sends_ahead
+from brainpy_accum.trainer._feed import Feed, Sender, on_device, overlapping, prefetch_bytes, sends_ahead
 from helpers import assert_trees_close, make_batches, make_model, mse_with_aux, optimizer_state, params_of
 
 EXACT = dict(rtol=0, atol=0)
@@ -134,9 +134,10 @@ def test_checkpoints_and_resume_with_batches_sent_ahead(sent, tmp_path):
 
 
 def test_overlap_with_planned_steps_equals_bptt(sent):
-  """``num_micro_batch='auto'`` runs the planner's compiled step on the batches sent ahead: bp.BPTT's update.
-  The budget lies between the steps of 2 and 4 micro-batches with the batch sent ahead beside them (XLA's
-  measure on this device): the plan leaves room for it."""
+  """``num_micro_batch='auto'`` with data sent ahead: a batch whose step does not fit in one micro-batch is
+  streamed in pieces of one micro-batch each, each sent while the one before computes (never the whole batch
+  beside the step), and trains to bp.BPTT's update. The budget lies between the steps of 2 and 4 micro-batches
+  with the batch sent ahead beside them (XLA's measure on this device): the pieces and the one sent ahead fit it."""
   batches = make_batches((16,) * 4, seed=5)
   probe = AccumBPTT(make_model('rnn'), 'mean_squared_error', num_micro_batch='auto', memory_budget='1GiB')
   probe.target.reset(16)
@@ -145,7 +146,12 @@ def test_overlap_with_planned_steps_equals_bptt(sent):
   trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05),
                       progress_bar=False, num_micro_batch='auto', memory_budget=budget)
   trainer.fit(batches, num_epoch=2)
-  assert trainer.plan_for(16).num_micro_batches == 4 and len(sent) == 2 * 3 and trainer.compilations['fit'] == 1
+  piece = trainer.stream_chunks[16]
+  plan, used = trainer.memory_plans[piece]
+  assert plan.num_micro_batches == 1 and piece < 16 and used <= budget
+  pieces = 2 * 4 * (16 // piece)  # every piece of every batch goes ahead but each pass's first
+  assert len(sent) == pieces - 2 and trainer.compilations['fit'] == 1
+  assert all(len(x) == piece for x, _ in sent)
   expected = bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
   expected.fit(batches, num_epoch=2)
   assert_trees_close(params_of(trainer.target), params_of(expected.target))
@@ -248,7 +254,7 @@ def test_at_most_one_batch_is_on_its_way_beside_the_running_step(monkeypatch):
 
 
 def test_sending_waits_for_the_step_before_the_running_one_only():
-  """``Ahead.send`` after step k's dispatch waits for step k - 1 (its data then leaves the device), never for
+  """``Sender.send`` after step k's dispatch waits for step k - 1 (its data then leaves the device), never for
   step k: the device always has the step k queued while the next data is copied."""
   class Step:
     def __init__(self, name):
@@ -258,37 +264,40 @@ def test_sending_waits_for_the_step_before_the_running_one_only():
       waited.append(self.name)
       return self
 
-  waited, ahead = [], _feed.Ahead()
+  waited, ahead = [], Sender()
   for k in range(4):
     ahead.dispatched(Step(k))
     ahead.send((np.ones((2, 1)), np.ones(2)))
   assert waited == [0, 1, 2]
   with overlapping(False):
-    quiet = _feed.Ahead()
+    quiet = Sender()
   quiet.dispatched(Step('a')), quiet.dispatched(Step('b'))
   assert quiet.send((np.ones((2, 1)), np.ones(2))) is None and waited == [0, 1, 2]
 
 
 def test_the_loop_waits_for_no_step_between_reports(monkeypatch):
-  """Between reports the loop never waits for the step it has just dispatched: when step k + 1 is dispatched,
-  step k is still running (a step long enough, 6 batches: if the loop waited on each step, every one would be
-  done by then)."""
-  pending, ready = [], []
-  real = _fit_loop._call_step
+  """Between reports the loop never waits for the step it has just dispatched: whatever it waits for (the step
+  before, so that one batch at most goes ahead; a copy the source may overwrite) is never the newest step's
+  outputs. (Whether a step is still running when the next is dispatched depends on the device's speed: on a TPU
+  a small step is done before the host dispatches the next, so the waits themselves are checked.)"""
+  newest, waits = [], []
+  real_call, real_wait = _fit_loop._call_step, jax.block_until_ready
 
   def call(step, shared, x, y):
-    if pending:
-      ready.append(all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(pending[-1])))
-    result = real(step, shared, x, y)
-    pending.append(result)
+    result = real_call(step, shared, x, y)
+    newest[:] = [id(leaf) for leaf in jax.tree_util.tree_leaves(result[0])]  # result[1]: its compilations
     return result
 
-  batches = make_batches((64,) * 6, num_time=100, seed=13)
-  trainer = AccumBPTT(make_model('rnn', n_hidden=128), 'mean_squared_error', num_micro_batch=2, progress_bar=False)
-  trainer.fit(batches[:2], num_epoch=1)  # compiled
+  def wait(tree):
+    waits.append(any(id(leaf) in newest for leaf in jax.tree_util.tree_leaves(tree)))
+    return real_wait(tree)
+
+  batches = make_batches((64,) * 6, num_time=20, seed=13)
+  trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', num_micro_batch=2, progress_bar=False)
   monkeypatch.setattr(_fit_loop, '_call_step', call)
+  monkeypatch.setattr(_feed.jax, 'block_until_ready', wait)
   trainer.fit(batches, num_epoch=1)
-  assert len(ready) == 5 and not all(ready)
+  assert len(waits) >= 4 and not any(waits), waits
 
 
 def test_feed_keeps_the_last_flag_and_the_error_of_a_failing_source():
@@ -298,13 +307,18 @@ def test_feed_keeps_the_last_flag_and_the_error_of_a_failing_source():
     yield np.ones((2, 1)), np.ones(2)
     raise OSError('disk gone')
 
-  feed, flags = Feed(failing()), []
+  feed, flags = Feed(failing(), Sender(), units=_whole), []
   with pytest.raises(OSError, match='disk gone'):
-    for _, last in feed:
+    for fed in feed:
       feed.dispatched(jnp.zeros(()))
-      flags.append(last)
+      flags.append(fed.last)
   assert flags == [False, False]
-  assert [last for _, last in Feed([(np.ones((2, 1)), np.ones(2))])] == [True]
+  assert [fed.last for fed in Feed([(np.ones((2, 1)), np.ones(2))], Sender(), units=_whole)] == [True]
+
+
+def _whole(inputs, targets):
+  """Every batch runs whole (no pieces)."""
+  return None
 
 
 def test_a_source_may_reuse_the_arrays_of_the_batch_two_back(monkeypatch):
@@ -323,8 +337,8 @@ def test_a_source_may_reuse_the_arrays_of_the_batch_two_back(monkeypatch):
       events.append(('read', i))
       yield np.full(1, i), np.zeros(1)
 
-  feed = Feed(source())
-  for batch, last in feed:
+  feed = Feed(source(), Sender(), units=_whole)
+  for _ in feed:
     feed.dispatched(jnp.zeros(()))
   reads = {i: events.index(('read', i)) for i in range(5)}
   for i in (1, 2):  # the batches sent ahead and handed on before the source made batch i + 2

@@ -185,7 +185,7 @@ def test_per_sample_metrics_of_batches_of_different_sizes_are_kept():
 
 def test_history_of_different_shapes_survives_a_checkpoint():
   """A report window holding per-sample arrays of 10 and 7 samples goes through a checkpoint's state and back."""
-  from brainpy_accum.trainer._report import PhaseLog
+  from brainpy_accum.trainer._pass import PhaseLog
   log = PhaseLog('Train')
   for n in (10, 7, 10):
     log.record(np.float32(n), {'per_sample': np.arange(n, dtype=np.float32), 'm': np.float32(1.)}, '')

@@ -1,4 +1,4 @@
-"""``python -m brainpy_accum.bench.devices``: AccumBPTT on 1, 2, 4 and 8 devices of one batch.
+"""``python -m brainpy_accum.bench.mesh``: AccumBPTT on 1, 2, 4 and 8 devices of one batch.
 
 On a CPU-only machine the devices are simulated (``XLA_FLAGS=
 --xla_force_host_platform_device_count=8``, set for a worker process that this
@@ -128,7 +128,7 @@ def plot(results: List[dict], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.devices', description=__doc__)
+  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.mesh', description=__doc__)
   parser.add_argument('--quick', action='store_true', help=f'{tuple(QUICK)} instead of {tuple(FULL)}')
   parser.add_argument('--workloads', nargs='+', default=['rnn', 'snn'], choices=['rnn', 'snn'])
   parser.add_argument('--steps', type=int, default=5, help='timed steps per configuration (median reported)')
@@ -137,13 +137,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   if os.environ.get('BRAINPY_ACCUM_DEVICES_WORKER') != '1':
     env = dict(os.environ, BRAINPY_ACCUM_DEVICES_WORKER='1',
                XLA_FLAGS=(os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={max(DEVICES)}'))
-    sys.exit(subprocess.call([sys.executable, '-m', 'brainpy_accum.bench.devices'] + list(argv or sys.argv[1:]),
+    sys.exit(subprocess.call([sys.executable, '-m', 'brainpy_accum.bench.mesh'] + list(argv or sys.argv[1:]),
                              env=env))
   import jax
   shape = QUICK if args.quick else FULL
   started = time.time()
   results = measure_all(args.workloads, shape, args.steps)
-  header = (f'# Scaling over devices (simulated)\n\nMade by `python -m brainpy_accum.bench.devices'
+  header = (f'# Scaling over devices (simulated)\n\nMade by `python -m brainpy_accum.bench.mesh'
             f'{" --quick" if args.quick else ""}` on {platform.machine()} CPU ({os.cpu_count()} cores), '
             f'jax {jax.__version__}, in {time.time() - started:.0f} s, with {jax.device_count()} '
             f'{jax.devices()[0].platform.upper()} devices SIMULATED by XLA on the same cores: step times show the '

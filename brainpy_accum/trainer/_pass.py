@@ -1,11 +1,104 @@
-"""Per-phase bookkeeping of losses and metrics during :meth:`AccumBPTT.fit`, as :class:`brainpy.BPTT` keeps it."""
+"""One pass of :meth:`AccumBPTT.fit` over a phase's data (:class:`Pass`), and each phase's losses and metrics
+as :class:`brainpy.BPTT` keeps them (:class:`PhaseLog`)."""
 
+import itertools
 import time
-from typing import Dict, List
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sized, cast
 
 import numpy as np
+from tqdm import tqdm
 
-__all__ = ['PhaseLog']
+from ._feed import Feed, Sender
+
+__all__ = ['Batch', 'Pass', 'PhaseLog']
+
+
+class Batch(NamedTuple):
+  """One batch as the loop steps it: its ``position`` in the pass, its ``inputs`` and ``targets`` (as the data
+  gave them), their ``layout`` (:class:`~brainpy_accum.core._batch.BatchLayout`), whether it is the pass's
+  ``last``, and the copies of its units sent ahead (``sent``: unit index -> device data; ``None``: whole)."""
+  position: int
+  inputs: Any
+  targets: Any
+  layout: Any
+  last: bool
+  sent: dict
+
+  @property
+  def size(self) -> int:
+    return self.layout.batch_size
+
+  @property
+  def data(self) -> tuple:
+    """``(inputs, targets)`` for the step: the copy sent ahead, else as the data gave them."""
+    return self.sent.get(None) or (self.inputs, self.targets)
+
+
+class Pass:
+  """One pass of a phase (``'fit'`` or ``'test'``) over its data: its log, progress bar, feed and batches per
+  update.
+
+  Parameters
+  ----------
+  phase : str
+    ``'fit'`` (training) or ``'test'``.
+  data : iterable or callable
+    The batches, or a function returning them.
+  log : PhaseLog
+    The phase's log (a resumed pass continues the report window it had open).
+  skip : int
+    Batches already trained (a resumed pass skips them).
+  every : int
+    Batches per optimizer update (``accumulate_steps`` of this epoch; 1 for a test pass).
+  """
+
+  def __init__(self, phase: str, data, log: 'PhaseLog', skip: int = 0, every: int = 1):
+    self.phase, self.log, self.skip, self.every = phase, log, skip, every
+    self._batches = data() if callable(data) else data
+    self.bar: Optional[tqdm] = None
+    self.feed: Optional[Feed] = None
+    if skip == 0:
+      log.start_epoch()
+
+  def start(self, show_bar: bool, sender: Sender, units: Callable[[Any, Any], Optional[list]]) -> None:
+    """Open the progress bar (for data with a length) and the feed."""
+    if show_bar and hasattr(self._batches, '__len__'):
+      self.bar = tqdm(total=len(cast(Sized, self._batches)), initial=self.skip)
+    self.feed = Feed(itertools.islice(self._batches, self.skip, None), sender, units)
+
+  def batches(self, check_batch: Callable[[Any, Any], Any]) -> Iterator[Batch]:
+    """The pass's batches, each checked (``check_batch(inputs, targets) -> layout``, which raises before
+    anything changes)."""
+    for position, fed in enumerate(self.feed, start=self.skip):
+      inputs, targets = _pair(self.phase, position, fed.batch)
+      yield Batch(position, inputs, targets, check_batch(inputs, targets), fed.last, fed.sent)
+
+  def updates(self, batch: Batch) -> bool:
+    """Whether the optimizer updates after ``batch``: every ``every`` batches, and at the pass's last."""
+    return batch.last or (batch.position + 1) % self.every == 0
+
+  def show(self, line: Optional[str] = None) -> None:
+    """A batch done (``line``: a report, on the bar or printed)."""
+    if line is None:
+      if self.bar is not None:
+        self.bar.update(1)
+    elif self.bar is not None:
+      self.bar.set_description(line, refresh=True)
+    else:
+      print(line)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+def _pair(phase: str, position: int, batch) -> tuple:
+  """``(inputs, targets)`` of one batch, or an error naming the data before anything runs."""
+  if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+    name = 'train_data' if phase == 'fit' else 'test_data'
+    what = f'{type(batch).__name__} of length {len(batch)}' if isinstance(batch, (tuple, list)) else type(batch).__name__
+    raise ValueError(f'{name} gave a {what} as batch {position}: each batch must be a pair (inputs, targets).')
+  return batch[0], batch[1]
 
 
 class PhaseLog:

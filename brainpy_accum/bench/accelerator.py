@@ -34,6 +34,8 @@ into ``--out``.
 import argparse
 import contextlib
 import datetime
+import functools
+import gc
 import io
 import json
 import os
@@ -60,12 +62,13 @@ from .workloads import Shape, jax_params, make_batch, make_brainpy_model
 __all__ = ['ACCELERATOR', 'CPU', 'QUICK', 'measure_device', 'measure_batch', 'measure_peak', 'model_flops',
            'memory_refusal', 'main']
 
-ACCELERATOR = dict(shape=Shape(batch=0, time=500, hidden=1024, inputs=128),
-                   batches=(256, 512, 1024, 2048, 4096, 8192, 16384), epoch=8, rounds=3, budget=None)
+ACCELERATOR = dict(shape=Shape(batch=0, time=500, hidden=1024, inputs=128), workloads=('snn_ce',),
+                   batches=(2048, 4096, 8192, 16384, 32768, 65536), epoch=16, rounds=2, budget=None)
 CPU = dict(shape=Shape(batch=0, time=50, hidden=128, inputs=64), batches=(64, 256, 1024), epoch=4, rounds=7,
-           budget='32MiB')
+           budget='32MiB', workloads=('snn_ce', 'rnn_ce'))
 QUICK = dict(shape=Shape(batch=0, time=6, hidden=8, inputs=4), batches=(8, 16), epoch=2, rounds=1, budget='40KiB',
-             peak_size=256)
+             peak_size=256, workloads=('snn_ce', 'rnn_ce'))
+DEVICE_SHARE = 0.3  # device batches are timed where one takes at most this share of the device's memory
 WORKLOADS = ('snn_ce', 'rnn_ce')
 TRAINERS = ('bp.BPTT', 'AccumBPTT', 'plain JAX + optax')
 
@@ -108,7 +111,7 @@ def _device_facts(argv: Sequence[str]) -> dict:
           'versions': {'python': platform.python_version(), 'jax': jax.__version__, 'jaxlib': _version('jaxlib'),
                        'brainpy': bp.__version__, 'brainstate': brainstate.__version__, 'optax': optax.__version__},
           'date': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
-          'command': 'python -m brainpy_accum.bench.device ' + ' '.join(argv),
+          'command': 'python -m brainpy_accum.bench.accelerator ' + ' '.join(argv),
           'compilation_cache': jax.config.jax_compilation_cache_dir}
 
 
@@ -244,12 +247,16 @@ def measure_batch(workload: str, shape: Shape, epoch: int, rounds: int, budget: 
                   bptt_fits: bool = True) -> List[dict]:
   """Every trainer at ``shape.batch``, one row each, see the module's docstring. NumPy and device batches are
   timed in the same rounds where three batches take at most a tenth of the device's memory (always on a CPU),
-  else in two phases, so that the device holds one of them at a time (``'interleaved'`` in each row)."""
+  else in two phases, so that the device holds one of them at a time (``'interleaved'`` in each row); device
+  batches only where one takes at most :data:`DEVICE_SHARE` of the device (larger ones cannot sit there beside
+  their step). On an accelerator AccumBPTT's NumPy batches are timed as ``fit`` gives them (sent ahead), and plain
+  JAX is left out (its row says so)."""
   batch = shape.batch
   x, y = make_batch(shape, workload=workload)
   host = [(x, y)] * epoch
   limit = _memory_limit()
   together = limit is None or 3 * prefetch_bytes(x, y) <= limit / 10
+  on_chip = limit is not None
   rows = {name: {'workload': workload, 'batch': batch, 'trainer': name, 'fits': None, 'error': None,
                  'epoch_s': {}, 'interleaved': together} for name in TRAINERS}
   trainers: Dict[str, _Trainer] = {}
@@ -265,29 +272,44 @@ def measure_batch(workload: str, shape: Shape, epoch: int, rounds: int, budget: 
       rows[name].update(trainer.plan())
     except Exception as error:  # noqa: BLE001
       rows[name]['plan_error'] = f'{type(error).__name__}: {" ".join(str(error).split())[:200]}'
-  # numpy batches from the host: fit as a user calls it, and the same without sending batches ahead
+  # numpy batches from the host: fit as a user calls it, and (on a CPU) the same without sending batches ahead
   timed = [('bp.BPTT', WITH_STEP, _timed(trainers['bp.BPTT'], host))] if 'bp.BPTT' in trainers else []
   if 'AccumBPTT' in trainers:
-    timed += [('AccumBPTT', AHEAD, _timed(trainers['AccumBPTT'], host, overlap=True)),
-              ('AccumBPTT', WITH_STEP, _timed(trainers['AccumBPTT'], host, overlap=False))]
+    timed += [('AccumBPTT', AHEAD, _timed(trainers['AccumBPTT'], host, overlap=True))]
+    if not on_chip:
+      timed += [('AccumBPTT', WITH_STEP, _timed(trainers['AccumBPTT'], host, overlap=False))]
   if not together:
     _record(timed, rounds, rows)
     timed = []
+  if limit is not None and x.nbytes + y.nbytes > DEVICE_SHARE * limit:
+    _finish_rows(rows, shape, epoch)
+    rows['plain JAX + optax']['error'] = 'not measured: the batch cannot sit on the device beside its step'
+    return list(rows.values())
   # the same batches already on the device
   device_x, device_y = jax.block_until_ready(jax.device_put((x, y)))
   on_device = [(device_x, device_y)] * epoch
-  n = _divisor_at_least(batch, rows['AccumBPTT'].get('micro_batches') or 1)
-  jax_trainer = _first_epoch(lambda: _Trainer('plain JAX + optax', workload, shape, budget, n), on_device,
-                             rows['plain JAX + optax'])
-  if jax_trainer is not None:
-    trainers['plain JAX + optax'] = jax_trainer
-    rows['plain JAX + optax'].update(jax_trainer.plan())
+  if not on_chip:
+    n = _divisor_at_least(batch, rows['AccumBPTT'].get('micro_batches') or 1)
+    jax_trainer = _first_epoch(lambda: _Trainer('plain JAX + optax', workload, shape, budget, n), on_device,
+                               rows['plain JAX + optax'])
+    if jax_trainer is not None:
+      trainers['plain JAX + optax'] = jax_trainer
+      rows['plain JAX + optax'].update(jax_trainer.plan())
+  else:
+    rows['plain JAX + optax']['error'] = 'not measured on the accelerator (the CPU run compares it)'
+  for trainer in trainers.values():  # a first epoch on device batches: their own compilations (slices), not timed
+    trainer.epoch(on_device[:2], quiet=True)
   _record(timed + [(name, DEVICE, _timed(trainer, on_device)) for name, trainer in trainers.items()], rounds, rows)
   del device_x, device_y, on_device
-  for row in rows.values():
-    row['model_flops'] = model_flops(shape, batch)
-    row['samples_per_s'] = {kind: epoch * batch / statistics.median(times) for kind, times in row['epoch_s'].items()}
+  _finish_rows(rows, shape, epoch)
   return list(rows.values())
+
+
+def _finish_rows(rows: Dict[str, dict], shape: Shape, epoch: int) -> None:
+  for row in rows.values():
+    row['model_flops'] = model_flops(shape, shape.batch)
+    row['samples_per_s'] = {kind: epoch * shape.batch / statistics.median(times)
+                            for kind, times in row['epoch_s'].items()}
 
 
 def _memory_limit() -> Optional[int]:
@@ -315,21 +337,52 @@ def _record(timed, rounds: int, rows: Dict[str, dict]) -> None:
 
 def measure_device(workloads: Sequence[str] = WORKLOADS, shape: Shape = ACCELERATOR['shape'],
                    batches: Sequence[int] = ACCELERATOR['batches'], epoch: int = 8, rounds: int = 3,
-                   budget: Optional[int] = None, peak_size: Optional[int] = None) -> dict:
-  """Every workload at every batch size (:func:`measure_batch`), with the device, its peak and the settings."""
-  rows = []
+                   budget: Optional[int] = None, peak_size: Optional[int] = None,
+                   done_batch: Optional[Callable[[dict], None]] = None) -> dict:
+  """Every workload at every batch size (:func:`measure_batch`), with the device, its peak and the settings;
+  ``done_batch(run)`` receives the run so far after each batch size (a run cut short keeps what it measured)."""
+  run = {'shape': list(shape), 'batches': list(batches), 'epoch': epoch, 'rounds': rounds, 'budget': budget,
+         'peak': measure_peak(peak_size), 'rows': []}
   for workload in workloads:
     bptt_fits = True
     for batch in batches:
       done = measure_batch(workload, shape._replace(batch=batch), epoch, rounds, budget, bptt_fits)
+      gc.collect()  # the trainers of this batch size and their executables leave the device
       bptt_fits = bptt_fits and done[0]['fits'] is not False
       for row in done:
         speeds = ', '.join(f'{k} {v:,.0f}' for k, v in row['samples_per_s'].items())
         print(f"{workload} B={batch:<6} {row['trainer']:18} fits={row['fits']!s:5} {row.get('plan', '')}: "
               f"samples/s {speeds or '-'} {row['error'] or row.get('run_error') or ''}", flush=True)
-      rows += done
-  return {'shape': list(shape), 'batches': list(batches), 'epoch': epoch, 'rounds': rounds, 'budget': budget,
-          'peak': measure_peak(peak_size), 'rows': rows}
+      run['rows'] += done
+      if done_batch is not None:
+        done_batch(run)
+  return run
+
+
+def measure_holds(workload: str, shape: Shape, shares: Sequence[float] = (0.6, 0.3)) -> List[dict]:
+  """For each share of the device: AccumBPTT planned and trained on one batch of ``shape`` with the device free
+  (a fresh trainer), then trained again while an array of this run holds that share of the device (put there
+  after the plan was made): each fit's seconds, plan and error (``None``: it trained). The first fit includes
+  planning and compilations: the figure the fit under a hold is compared with."""
+  x, y = make_batch(shape, workload=workload)
+  rows, limit = [], _memory_limit() or 0
+  for share in shares:
+    trainer = _Trainer('AccumBPTT', workload, shape, None)
+    for held in (0., share):
+      hold = jnp.ones((int(held * limit) // 4,), jnp.float32).block_until_ready() if held else None
+      start, error = time.perf_counter(), None
+      try:
+        trainer.epoch([(x, y)], quiet=True)
+      except Exception as failure:  # noqa: BLE001 -- what a user would have met is the finding
+        error = f'{type(failure).__name__}: {" ".join(str(failure).split())[:300]}'
+      rows.append({'held_share': held, 'seconds': time.perf_counter() - start, 'error': error,
+                   'plan': trainer.trainer.describe_batch(shape.batch) if error is None else None})
+      print(f'hold {held:.0%} of the device: {rows[-1]}', flush=True)
+      del hold
+      gc.collect()
+    del trainer
+    gc.collect()
+  return rows
 
 
 def _key(facts: dict) -> str:
@@ -346,33 +399,49 @@ def _merged(before: Optional[dict], run: dict) -> dict:
   measured = {(row['workload'], row['batch']) for row in run['rows']}
   kept = [row for row in before['rows'] if (row['workload'], row['batch']) not in measured]
   rows = sorted(kept + run['rows'], key=lambda row: (row['workload'], row['batch']))
+  commands = before.get('commands', [before['facts']['command']])
+  commands += [] if commands[-1] == run['facts']['command'] else [run['facts']['command']]  # (written per batch size)
   return dict(run, rows=rows, batches=sorted({row['batch'] for row in rows}), notes=before.get('notes', []),
-              commands=before.get('commands', [before['facts']['command']]) + [run['facts']['command']])
+              commands=commands)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   argv = list(sys.argv[1:] if argv is None else argv)
-  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.device', description=__doc__.split('\n')[0])
+  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.accelerator',
+                                   description=__doc__.split('\n')[0])
   parser.add_argument('--quick', action='store_true', help='tiny networks and batches (seconds; for tests)')
-  parser.add_argument('--workloads', nargs='+', default=list(WORKLOADS), choices=list(WORKLOADS))
+  parser.add_argument('--workloads', nargs='+', default=None, choices=list(WORKLOADS),
+                      help='networks (default: the spiking one on an accelerator, both on a CPU)')
   parser.add_argument('--batches', nargs='+', type=int, default=None, help='batch sizes (default: by device)')
-  parser.add_argument('--epoch', type=int, default=None, help='batches per epoch (default 8 on a device, 4 on a CPU)')
-  parser.add_argument('--rounds', type=int, default=None, help='timed rounds (default 3; 7 on a CPU, whose load drifts)')
+  parser.add_argument('--epoch', type=int, default=None, help='batches per epoch (default 16 on a device, 4 on a CPU)')
+  parser.add_argument('--rounds', type=int, default=None, help='timed rounds (default 2; 7 on a CPU, whose load drifts)')
   parser.add_argument('--budget', default=None, help="AccumBPTT's memory_budget (default: none on an accelerator, "
                                                      f"{CPU['budget']} on a CPU)")
+  parser.add_argument('--holds', type=int, default=None, metavar='BATCH',
+                      help='also train a batch of BATCH after planning it, with 60%% and 30%% of the device held')
   parser.add_argument('--out', default='docs', help='folder for accelerator.json, .md and .png')
   args = parser.parse_args(argv)
   accelerator = jax.default_backend() != 'cpu'
   preset = QUICK if args.quick else ACCELERATOR if accelerator else CPU
   budget = args.budget or preset['budget']
   facts = _device_facts(argv)
-  run = measure_device(args.workloads, preset['shape'], args.batches or preset['batches'],
-                       args.epoch or preset['epoch'], args.rounds or preset['rounds'],
-                       None if budget is None else parse_memory(budget), preset.get('peak_size'))
-  run['budget'] = budget
-  run['facts'] = facts
   os.makedirs(args.out, exist_ok=True)
-  stored = os.path.join(args.out, 'accelerator.json')
+  shape = preset['shape']
+  workloads = args.workloads or list(preset['workloads'])
+  holds = None if args.holds is None else measure_holds(workloads[0], shape._replace(batch=args.holds))
+  write = functools.partial(_write, args.out, facts, budget, holds)
+  run = measure_device(workloads, shape, args.batches or preset['batches'], args.epoch or preset['epoch'],
+                       args.rounds or preset['rounds'], None if budget is None else parse_memory(budget),
+                       preset.get('peak_size'), done_batch=write)
+  return write(run)
+
+
+def _write(out: str, facts: dict, budget, holds: Optional[List[dict]], run: dict) -> dict:
+  """accelerator.json (this device's run merged with what it holds), .md and .png."""
+  run = dict(run, budget=budget, facts=facts)
+  if holds is not None:
+    run['holds'] = holds
+  stored = os.path.join(out, 'accelerator.json')
   data = {'runs': {}}
   if os.path.exists(stored):
     with open(stored) as f:
@@ -380,10 +449,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   data['runs'][_key(facts)] = _merged(data['runs'].get(_key(facts)), run)  # other devices' runs are kept
   with open(stored, 'w') as f:
     json.dump(data, f, indent=1)
-  report = device_report(data)
-  with open(os.path.join(args.out, 'accelerator.md'), 'w') as f:
-    f.write(report + '\n')
-  plot_device(data, os.path.join(args.out, 'accelerator.png'))
+  with open(os.path.join(out, 'accelerator.md'), 'w') as f:
+    f.write(device_report(data) + '\n')
+  plot_device(data, os.path.join(out, 'accelerator.png'))
   return data
 
 

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from brainpy_accum.bench import __main__ as bench_main
-from brainpy_accum.bench import device
+from brainpy_accum.bench import accelerator as device
 from brainpy_accum.bench import report as device_report
 
 REFUSAL = ('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 17.38G '
