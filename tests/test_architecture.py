@@ -11,6 +11,12 @@ from typing import Dict, Iterator, List, Set, Tuple
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / 'brainpy_accum'
 MAX_CLASS_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_PUBLIC_NAMES, MAX_MODULES = 350, 600, 45, 12, 12
+# the fit loop: its module, the other trainer modules, the arguments of its methods (besides self), the fields of
+# the view it has of the trainer and of the trainer's hooks, and the lines that handle the first-batch check
+LOOP = PACKAGE / 'trainer' / '_fit_loop.py'
+MAX_LOOP_LINES, MAX_TRAINER_MODULE_LINES, MAX_LOOP_ARGUMENTS, MAX_VIEW_FIELDS, MAX_HOOKS, MAX_CHECK_LINES = (
+  350, 500, 4, 12, 10, 10)
+PARTS = {'StepParts', 'StepOptions', 'CheckParts', 'PlannedModel', 'TrainerHooks', 'LoopView', 'LoopSettings'}
 # what NamedTuples offer as their public API, despite the underscore
 NAMED_TUPLE_API = {'_replace', '_asdict', '_fields', '_make'}
 
@@ -103,6 +109,66 @@ def private_reads() -> List[str]:
   return found
 
 
+def trainer_module_sizes() -> Dict[str, int]:
+  """Lines of every module of ``trainer/`` but the trainer's own (:func:`trainer_module_lines`)."""
+  return {path.name: len(path.read_text().splitlines()) for path in sorted((PACKAGE / 'trainer').glob('_*.py'))
+          if path.name not in ('__init__.py', '_accum_bptt.py')}
+
+
+def loop_arguments() -> Dict[str, List[str]]:
+  """The arguments, ``self`` aside, of every function and method of the fit loop's module."""
+  found = {}
+  for node in ast.walk(ast.parse(LOOP.read_text())):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+      found[node.name] = [a.arg for a in args if a.arg not in ('self', 'cls')] + (
+        [node.args.vararg.arg] if node.args.vararg else []) + ([node.args.kwarg.arg] if node.args.kwarg else [])
+  return found
+
+
+def named_tuple_fields(name: str) -> int:
+  """Fields of the NamedTuple ``name`` of the fit loop's module."""
+  tree = ast.parse(LOOP.read_text())
+  node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+  return sum(isinstance(item, ast.AnnAssign) for item in node.body)
+
+
+def parts_built_by_position() -> List[str]:
+  """Calls in the trainer's module that build one of its parts with positional arguments."""
+  tree = ast.parse((PACKAGE / 'trainer' / '_accum_bptt.py').read_text())
+  return [f'{node.func.id}:{node.lineno}' for node in ast.walk(tree) if isinstance(node, ast.Call)
+          and isinstance(node.func, ast.Name) and node.func.id in PARTS and node.args]
+
+
+def trainer_module_lambdas() -> List[int]:
+  """Lines of the trainer's module with a lambda (parts that read the trainer later than they were built)."""
+  tree = ast.parse((PACKAGE / 'trainer' / '_accum_bptt.py').read_text())
+  return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Lambda)]
+
+
+def callables_returning_callables() -> List[str]:
+  """Annotations in ``trainer/`` of a callable that returns a callable."""
+  found = []
+  for path in sorted((PACKAGE / 'trainer').glob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      annotations = []
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+        annotations.append(node.returns)
+      if isinstance(node, (ast.AnnAssign, ast.arg)) and getattr(node, 'annotation', None) is not None:
+        annotations.append(node.annotation)
+      for annotation in annotations:
+        text = ast.unparse(annotation)
+        if text.count('Callable[') >= 2 or (isinstance(node, ast.FunctionDef) and 'Callable[' in text
+                                            and 'ContextManager' not in text):
+          found.append(f'{path.name}:{node.lineno}: {text}')
+  return found
+
+
+def check_lines() -> List[int]:
+  """Lines of the fit loop's module that handle the first-batch check (its object and its calls)."""
+  return [i for i, line in enumerate(LOOP.read_text().splitlines(), 1) if 'self.check' in line or 'FitCheck' in line]
+
+
 def test_trainer_class_is_thin():
   counts = trainer_class_lines()
   assert set(counts) == {'AccumBPTT'}, f'no base classes of the package (mixins): {counts}'
@@ -131,6 +197,21 @@ def test_nothing_reads_another_objects_privates():
   assert private_reads() == []
 
 
+def test_the_fit_loop_is_an_object_of_few_arguments_that_never_takes_the_trainer():
+  assert len(LOOP.read_text().splitlines()) <= MAX_LOOP_LINES
+  arguments = loop_arguments()
+  assert {name: args for name, args in arguments.items() if len(args) > MAX_LOOP_ARGUMENTS} == {}
+  assert [name for name, args in arguments.items() if 'trainer' in args] == []
+  assert named_tuple_fields('LoopView') <= MAX_VIEW_FIELDS and named_tuple_fields('TrainerHooks') <= MAX_HOOKS
+  assert len(check_lines()) <= MAX_CHECK_LINES, check_lines()
+
+
+def test_trainer_modules_are_readable_and_parts_are_built_by_keyword():
+  assert {name: n for name, n in trainer_module_sizes().items() if n > MAX_TRAINER_MODULE_LINES} == {}
+  assert parts_built_by_position() == [] and trainer_module_lambdas() == []
+  assert callables_returning_callables() == []
+
+
 if __name__ == '__main__':
   print('AccumBPTT class lines (docstrings aside):', trainer_class_lines(), f'(<= {MAX_CLASS_LINES})')
   print('trainer module lines:', trainer_module_lines(), f'(<= {MAX_MODULE_LINES})')
@@ -139,3 +220,10 @@ if __name__ == '__main__':
   print(f'public names beyond bp.BPTT: {len(names)} (<= {MAX_PUBLIC_NAMES})', names)
   print('modules per folder:', modules_per_folder(), f'(<= {MAX_MODULES})')
   print('reads of another object\'s privates:', private_reads())
+  print('fit loop lines:', len(LOOP.read_text().splitlines()), f'(<= {MAX_LOOP_LINES}); trainer modules:',
+        trainer_module_sizes(), f'(<= {MAX_TRAINER_MODULE_LINES})')
+  print('fit loop arguments over the limit:', {n: a for n, a in loop_arguments().items() if len(a) > MAX_LOOP_ARGUMENTS})
+  print('LoopView fields:', named_tuple_fields('LoopView'), 'TrainerHooks fields:', named_tuple_fields('TrainerHooks'))
+  print('parts built by position:', parts_built_by_position(), 'lambdas in the trainer module:',
+        trainer_module_lambdas(), 'callables returning callables:', callables_returning_callables())
+  print('lines of the loop that handle the first-batch check:', check_lines())

@@ -282,14 +282,22 @@ def measure_batch(workload: str, shape: Shape, epoch: int, rounds: int, budget: 
     _record(timed, rounds, rows)
     timed = []
   if limit is not None and x.nbytes + y.nbytes > DEVICE_SHARE * limit:
-    _finish_rows(rows, shape, epoch)
     rows['plain JAX + optax']['error'] = 'not measured: the batch cannot sit on the device beside its step'
-    return list(rows.values())
-  # the same batches already on the device
-  device_x, device_y = jax.block_until_ready(jax.device_put((x, y)))
+  else:
+    _device_phase(trainers, rows, timed, (x, y), (workload, shape, epoch, rounds, budget))
+  _finish_rows(rows, shape, epoch)
+  return list(rows.values())
+
+
+def _device_phase(trainers: Dict[str, '_Trainer'], rows: Dict[str, dict], timed: list, batch: tuple,
+                  setting: tuple) -> None:
+  """The same batches already on the device (no copy: the step's own speed), timed with ``timed`` (the NumPy
+  steps timed in the same rounds, if any); plain JAX on them too, on a CPU."""
+  workload, shape, epoch, rounds, budget = setting
+  device_x, device_y = jax.block_until_ready(jax.device_put(batch))
   on_device = [(device_x, device_y)] * epoch
-  if not on_chip:
-    n = _divisor_at_least(batch, rows['AccumBPTT'].get('micro_batches') or 1)
+  if _memory_limit() is None:
+    n = _divisor_at_least(shape.batch, rows['AccumBPTT'].get('micro_batches') or 1)
     jax_trainer = _first_epoch(lambda: _Trainer('plain JAX + optax', workload, shape, budget, n), on_device,
                                rows['plain JAX + optax'])
     if jax_trainer is not None:
@@ -297,12 +305,9 @@ def measure_batch(workload: str, shape: Shape, epoch: int, rounds: int, budget: 
       rows['plain JAX + optax'].update(jax_trainer.plan())
   else:
     rows['plain JAX + optax']['error'] = 'not measured on the accelerator (the CPU run compares it)'
-  for trainer in trainers.values():  # a first epoch on device batches: their own compilations (slices), not timed
-    trainer.epoch(on_device[:2], quiet=True)
+    for trainer in trainers.values():  # a first epoch on device batches: their own compilations, not timed
+      trainer.epoch(on_device[:2], quiet=True)
   _record(timed + [(name, DEVICE, _timed(trainer, on_device)) for name, trainer in trainers.items()], rounds, rows)
-  del device_x, device_y, on_device
-  _finish_rows(rows, shape, epoch)
-  return list(rows.values())
 
 
 def _finish_rows(rows: Dict[str, dict], shape: Shape, epoch: int) -> None:

@@ -74,9 +74,7 @@ def compiled_step_bytes(compiled) -> int:
   >>> compiled_step_bytes(compiled) >= 2 * 4096  # the argument and the output
   True
   """
-  stats = compiled.memory_analysis()
-  return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-          - stats.alias_size_in_bytes)
+  return step_memory(compiled).total
 
 
 def argument_bytes(variables: Iterable, inputs, targets) -> int:
@@ -150,7 +148,8 @@ def memory_parts(value) -> Tuple[int, int]:
 
 
 def step_memory(compiled) -> StepMemory:
-  """:func:`compiled_step_bytes` of ``compiled``, and the part of it that does not grow with the micro-batch."""
+  """A compiled step's memory (arguments, outputs and temporaries, less buffers aliased in place: the ``total``
+  of :func:`compiled_step_bytes`), and the part of it that does not grow with the micro-batch."""
   stats = compiled.memory_analysis()
   fixed = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
   return StepMemory(fixed + stats.temp_size_in_bytes, fixed)

@@ -210,8 +210,10 @@ def is_refused_program(error: BaseException) -> bool:
   return is_out_of_memory(error) and any(words in str(error) for words in _REFUSED)
 
 
-_SIZES = {'': 1, 'B': 1, 'K': 2 ** 10, 'KB': 2 ** 10, 'KIB': 2 ** 10, 'M': 2 ** 20, 'MB': 2 ** 20, 'MIB': 2 ** 20,
-          'G': 2 ** 30, 'GB': 2 ** 30, 'GIB': 2 ** 30, 'T': 2 ** 40, 'TB': 2 ** 40, 'TIB': 2 ** 40}
+# Sizes as XLA writes them in its refusals: a bare K, M, G, T is binary (its "17.38G" is GiB), as are KiB..TiB;
+# KB..TB are decimal (10 ** 3 ...), as :func:`~brainpy_accum.memory._budget.parse_memory` reads them everywhere.
+_SIZES = {'': 1, 'B': 1, 'K': 2 ** 10, 'KIB': 2 ** 10, 'M': 2 ** 20, 'MIB': 2 ** 20, 'G': 2 ** 30, 'GIB': 2 ** 30,
+          'T': 2 ** 40, 'TIB': 2 ** 40, 'KB': 10 ** 3, 'MB': 10 ** 6, 'GB': 10 ** 9, 'TB': 10 ** 12}
 # the program's own size in the messages XLA writes when it refuses one (TPU: "required for HLO temporaries
 # (17.38G) exceeds available HBM"; "Used 17.38G of 15.75G hbm"; GPU: "allocate 18663604224 bytes")
 _NAMED = (r'required for [^(]*\(\s*([0-9.]+)\s*([KMGT]?i?B?)\s*\)', r'Used\s+([0-9.]+)\s*([KMGT]?i?B?)\s+of',

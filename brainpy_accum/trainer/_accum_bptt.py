@@ -17,7 +17,6 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from ..checkpoint._save_load import load as load_checkpoint
-from ..checkpoint._resume import check_checkpoint_args
 from ..checkpoint._save_load import RunFiles
 from ..checkpoint._save_load import save as save_checkpoint
 from ..core._batch import BatchLayout, batch_layout
@@ -31,13 +30,13 @@ from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
 from ..memory._device import Budget, is_refused_program
 from ..memory._plan_key import plan_key
 from ..memory._planner import PlannedModel, Planner
-from ._arguments import check_data, check_fit_args, check_trainer_args, warn_batch_statistics
+from ._arguments import check_fit_call, check_trainer_args, warn_batch_statistics
 from ._compiled_steps import CompiledSteps, StepOptions, StepParts, fit_args
 from ._coupled_loss import CheckParts, FirstBatchCheck
 from ._feed import prefetch_bytes, sends_ahead
 from ._fit_loop import FitLoop, LoopOptions, LoopSettings, LoopView, TrainerHooks
 from ._model_loss import BPTTFunctions, ModelLoss
-from ._sharded import split_variables
+from ..core._sharded import split_variables
 from ..core._target_axes import TargetAxes
 from ._window import GradWindow, check_accumulate_steps
 
@@ -91,8 +90,9 @@ class AccumBPTT(bp.BPTT):
   memory_budget : int or str, optional
     With ``num_micro_batch='auto'``: bytes, ``'2GiB'``, or a share of the device
     (``'90%'``); left out on a GPU or TPU: the device's own memory, less what
-    other arrays hold and a margin. A batch whose data does not fit beside its
-    step is streamed from the host in chunks, one update per batch.
+    other arrays hold and a margin, checked again at each :meth:`fit`. A host
+    batch that does not run in one micro-batch there (or whose data does not fit
+    beside its step) is streamed in pieces, one update per batch.
   accumulate_steps : int or dict
     Also accumulate across batches: one update every ``k`` batches (and at an
     epoch's last), weighted by what each held, so ``k`` batches of ``b`` give
@@ -105,47 +105,31 @@ class AccumBPTT(bp.BPTT):
     Clip the combined gradient (after all micro-batches and batches of an
     update) to this global L2 norm, once per optimizer update.
   skip_nonfinite : bool
-    Skip an update whose gradient holds a NaN or an infinity (parameters,
-    optimizer state and learning-rate step stay exactly as they were; counted
-    in ``skipped_steps``); with ``accumulate_steps``, leave such a batch out
-    of its window.
-  remat : bool or int
+    Skip an update whose gradient holds a NaN or an infinity (nothing changes;
+    counted in ``skipped_steps``; with ``accumulate_steps``, the batch only).
+  remat : bool, int or 'auto'
     Rematerialise over time: ``True`` checkpoints the time loop every
-    ``round(sqrt(T))`` steps, an int every that many, keeping one model state
-    per segment (about one extra forward pass; same gradients). ``False``
-    (default) stores every step, as :class:`brainpy.BPTT` does.
-    ``'auto'`` (with ``num_micro_batch='auto'``): the planner chooses per batch
-    size between remat and more micro-batches, the fastest that fits by trial
-    steps that change nothing.
+    ``round(sqrt(T))`` steps, an int every that many (about one extra forward
+    pass; same gradients); ``'auto'`` (with ``num_micro_batch='auto'``): the
+    planner chooses per batch size, the fastest plan that fits.
   mesh : jax.sharding.Mesh, optional
     Data parallelism: each batch is split over the ``D`` devices of ``mesh_axis``
-    (sizes must be multiples of ``D``), each runs its micro-batch loop on its
-    share, and their gradient sums are added once per step; the micro-batch
-    options and ``memory_budget`` describe one share.
+    (sizes multiples of ``D``), one all-reduce per step; the micro-batch options
+    and ``memory_budget`` describe one device's share.
   mesh_axis : str, optional
     The mesh axis that splits the batch (needed if the mesh has several).
   whole_batch_loss : bool
     ``False`` (default): each micro-batch's loss is its own, exact for losses
-    that are a (weighted) mean or sum of per-sample terms; at the first batch
-    :meth:`fit` checks once, at random outputs (the model is not run), that the
-    loss and its gradient are such a mean's, and warns with the measured
-    difference if not. ``True``: exact for ANY loss of the whole batch's
-    predictions and monitors (batch-wide regularisers, statistics, maxima), by
-    two passes inside the one step: the micro-batches' forward passes give the
-    whole batch's predictions, ``loss_fun`` their gradient, and each
-    micro-batch runs again, pulling back its slice (memory: the predictions
-    plus one micro-batch's activations; about one extra forward pass). Not
-    with ``accumulate_steps > 1``, ``grad_reduction='sum'`` or
-    ``loss_weight_fn``.
+    that are a (weighted) mean or sum of per-sample terms (the first batch is
+    checked once, at random outputs, with a warning if not). ``True``: exact
+    for ANY loss of the whole batch's predictions and monitors, by two passes
+    inside the one step (about one extra forward pass); not with
+    ``accumulate_steps > 1``, ``grad_reduction='sum'`` or ``loss_weight_fn``.
   aux_reduction : dict, optional
-    With ``loss_has_aux=True``: how scalar metrics combine over micro-batches
-    (and devices, and streamed chunks), by name: ``'mean'``, ``'sum'`` (integer
-    dtypes kept), ``'max'`` or ``'min'``, e.g. ``{'n_correct': 'sum'}``. A
-    declaration wins; an undeclared one gets the reduction the first batch's
-    check finds to give the whole batch's value (none or several: the loss's,
-    with a warning naming it). Per-sample metrics (arrays holding the batch)
-    are stitched into the whole batch's array, as :class:`brainpy.BPTT`
-    records them.
+    With ``loss_has_aux=True``: how scalar metrics combine over micro-batches,
+    by name: ``'mean'``, ``'sum'``, ``'max'`` or ``'min'``, e.g.
+    ``{'n_correct': 'sum'}``; undeclared ones get the reduction the first
+    batch's check finds; per-sample metrics are stitched, as bp.BPTT records.
   cache : bool, str or os.PathLike
     Caches that make a rerun start fast: JAX's persistent compilation cache and
     the planner's plans (measured again, never trusted). ``True`` (default):
@@ -231,9 +215,44 @@ class AccumBPTT(bp.BPTT):
       use_compilation_cache(self.cache_folder)
     cache = PlanCache(self.cache_folder) if self.cache_folder and self.num_micro_batch == 'auto' else None
     self._compiles = Compilations()
+    devices, streams = self._build_model_parts()
+    model = self._model
+    self._steps = CompiledSteps(
+      StepParts(model=self.target, optimizer=self.optimizer, check_batch=self._check_batch,
+                loss_and_aux=model.loss_and_aux, forward=model.forward, loss_of=model.loss_of, weigh=model.weigh,
+                tracing=model.tracing, quiet=self._quiet, window=self._window, skipped=self.skipped_steps,
+                jit=self.jit, fixed_bytes=self._fixed_bytes, note_compilations=self._compiles.note),
+      StepOptions(grad_reduction=self.grad_reduction, skip_nonfinite=self.skip_nonfinite,
+                  clip_grad_norm=self.clip_grad_norm, accumulate_steps=self.accumulate_steps,
+                  whole_batch_loss=self.whole_batch_loss, loss_has_aux=self.loss_has_aux,
+                  aux_reduction=self.aux_reduction, mesh=self.mesh, mesh_axis=self.mesh_axis, devices=devices))
+    self.trace_counts = self._steps.trace_counts
+    self._check = FirstBatchCheck(
+      self.target, CheckParts(check_batch=self._check_batch, argument_bytes=self._argument_bytes,
+                              check_flat_states=self._steps.check_flat_states, quiet=self._quiet,
+                              forward=model.forward, loss_of=model.loss_of, weigh=model.weigh,
+                              variables=self._variables, use_found=self._steps.use_found),
+      loss_func=self._loss_func, jit=bool(self.jit['fit']), on_mesh=self.mesh is not None,
+      reduction=self.grad_reduction, declared=self.aux_reduction, has_metrics=self.loss_has_aux,
+      weighted=self.loss_weight_fn is not None, done=self.whole_batch_loss)
+    self.planner = Planner(
+      PlannedModel(check_batch=self._check_batch, variables=self._variables, reset=self.target.reset,
+                   batched=functools.partial(batched_variables, self.target), fixed_bytes=self._fixed_bytes,
+                   ahead_bytes=self._ahead_bytes),
+      self._steps.compilers(before_timing=self._check.wait), num_micro_batch=self.num_micro_batch,
+      micro_batch_size=self.micro_batch_size, budget=budget, remat=self.remat, devices=devices,
+      mesh_axis=None if self.mesh is None else self.mesh_axis, streams=streams,
+      whole_batch_loss=self.whole_batch_loss, cache=cache, key_of=self._plan_key)
+    # the steps are traced with the planner's plans, which it makes by compiling the steps: the loop, made here
+    self._steps.attach(self.planner)
+    self._check.attach(self.planner)
+
+  def _build_model_parts(self) -> Tuple[int, bool]:
+    """The model's loss over bp.BPTT's functions, its target axes, the counters and the window; returns the
+    devices a batch is split over and whether batches may be streamed."""
     self._model = ModelLoss(
-      BPTTFunctions(self._predict, self._step_func_predict, lambda xs: self._get_input_time_step(xs=xs),
-                    lambda: self.i0, self._step_func_loss, self._loss_func),
+      BPTTFunctions(self._predict, self._step_func_predict, self._time_steps_of, self._time_origin,
+                    self._step_func_loss, self._loss_func),
       batch_first=isinstance(self.target.mode, bm.BatchingMode) and self.data_first_axis == 'B',
       loss_has_aux=self.loss_has_aux, grad_reduction=self.grad_reduction, loss_weight_fn=self.loss_weight_fn,
       remat=self.remat, jit_predict=self.jit['predict'])
@@ -244,30 +263,7 @@ class AccumBPTT(bp.BPTT):
     needs_window = self.accumulate_steps != 1 or streams  # sums between steps
     self._window = GradWindow(self.target.train_vars().unique(), None if self.mesh is None else devices) \
         if needs_window else None
-    model = self._model
-    self._steps = CompiledSteps(
-      StepParts(self.target, self.optimizer, self._check_batch, self.plan_for, model.loss_and_aux, model.forward,
-                model.loss_of, model.weigh, model.tracing, self._quiet, self._window, self.skipped_steps, self.jit,
-                self._fixed_bytes, self._compiles.note),
-      StepOptions(self.grad_reduction, self.skip_nonfinite, self.clip_grad_norm, self.accumulate_steps,
-                  self.whole_batch_loss, self.loss_has_aux, self.aux_reduction, self.mesh, self.mesh_axis,
-                  devices))
-    self.trace_counts = self._steps.trace_counts
-    self._check = FirstBatchCheck(
-      self.target, CheckParts(self._check_batch, self.plan_for, lambda size: self.planner.known_plan(size),
-                              self._argument_bytes, lambda: self.planner.budget, self._steps.check_flat_states,
-                              self._quiet, model.forward, model.loss_of, model.weigh, self._variables,
-                              self._steps.use_found),
-      loss_func=self._loss_func, jit=bool(self.jit['fit']), on_mesh=self.mesh is not None,
-      reduction=self.grad_reduction, declared=self.aux_reduction, has_metrics=self.loss_has_aux,
-      weighted=self.loss_weight_fn is not None, done=self.whole_batch_loss)
-    self.planner = Planner(
-      PlannedModel(self._check_batch, self._variables, self.target.reset,
-                   functools.partial(batched_variables, self.target), self._fixed_bytes, self._ahead_bytes),
-      self._steps.compilers(self._check.wait), num_micro_batch=self.num_micro_batch,
-      micro_batch_size=self.micro_batch_size, budget=budget, remat=self.remat, devices=devices,
-      mesh_axis=None if self.mesh is None else self.mesh_axis, streams=streams,
-      whole_batch_loss=self.whole_batch_loss, cache=cache, key_of=self._plan_key)
+    return devices, streams
 
   def __repr__(self):
     return (f'{self.__class__.__name__}(target={self.target}, num_micro_batch={self.num_micro_batch}, '
@@ -312,31 +308,21 @@ class AccumBPTT(bp.BPTT):
     batch_size : None
       Removed from :class:`brainpy.BPTT`: anything but ``None`` raises, as in BrainPy.
     checkpoint : str or os.PathLike, optional
-      A file for checkpoints of the run (:meth:`save_checkpoint`'s content plus where the run stands
-      and its metric history), written atomically at each epoch's end and every ``checkpoint_every``
-      updates. If the file exists when ``fit`` starts, the run resumes from it: the same call run
-      again after a crash, a killed job or Ctrl-C skips the epochs and batches already trained and
-      ends as an uninterrupted run would (same parameters, optimizer and learning-rate step, random
-      state, ``accumulate_steps`` window, losses and history). The data must give the same batches
-      in the same order when run again (a list, or a function that shuffles with a seed per epoch).
-      A larger ``num_epoch`` continues a finished run. A damaged or foreign file raises before
-      anything trains. A checkpoint that cannot be written (a full disk) warns (``Could not write
-      the checkpoint path=...``) and training goes on, the file keeping the last one written; make
-      that warning an error to stop instead.
+      A file for checkpoints of the run (:meth:`save_checkpoint`'s content, where the run stands and its metric
+      history), written atomically at each epoch's end and every ``checkpoint_every`` updates. If it exists
+      when ``fit`` starts, the run resumes from it and ends as an uninterrupted run would (the data must give
+      the same batches in the same order); a damaged file raises before anything trains; a checkpoint that
+      cannot be written warns and training goes on (the guide's "Resuming an interrupted run").
     checkpoint_every : int, optional
       Also write the checkpoint every this many optimizer updates (needs ``checkpoint``).
 
     Notes
     -----
-    Ctrl-C (SIGINT) and SIGTERM are held until the running batch is done: ``fit`` then stops at its
-    last completed batch, writes the checkpoint if one is configured, and lets the signal act through
-    the handler that was there before. A second Ctrl-C stops at once, without a checkpoint.
+    Ctrl-C and SIGTERM are held until the running batch is done: ``fit`` stops there, writes the checkpoint
+    if one is configured, then lets the signal act (a second Ctrl-C stops at once, without a checkpoint).
     """
-    check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size, shared_args)
-    checkpoint_every = check_checkpoint_args(checkpoint, checkpoint_every)
-    check_data('train_data', train_data)
-    if test_data is not None:
-      check_data('test_data', test_data)
+    checkpoint_every = check_fit_call(train_data, test_data, num_epoch, num_report, reset_state, shared_args,
+                                      fun_after_report, batch_size, checkpoint, checkpoint_every)
     options = LoopOptions(int(num_report), reset_state, tools.DotDict({'fit': True, **(shared_args or {})}),
                           fun_after_report, None if checkpoint is None else os.fspath(checkpoint), checkpoint_every)
     FitLoop(self._loop_view(), options).fit(train_data, test_data, int(num_epoch))
@@ -557,6 +543,12 @@ class AccumBPTT(bp.BPTT):
                           resolve=functools.partial(self._target_axes, inputs, targets))
     self.planner.share_size(layout.batch_size)
     return layout
+
+  def _time_steps_of(self, xs) -> int:
+    return self._get_input_time_step(xs=xs)
+
+  def _time_origin(self):
+    return self.i0  # bp.BPTT's running step counter, read when a step is traced
 
   def _variables(self) -> list:
     """Every Variable a step reads or writes, random states included."""

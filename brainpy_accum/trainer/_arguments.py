@@ -15,6 +15,7 @@ import brainstate
 import numpy as np
 from brainpy._errors import NoLongerSupportError, UnsupportedError
 
+from ..checkpoint._resume import check_checkpoint_args
 from ..core._combine import check_grad_reduction, check_loss_weight_fn
 from ..core._cut import check_cut, check_positive_int, is_int
 from ..core._metrics import check_aux_reduction
@@ -22,6 +23,7 @@ from ..memory._budget import parse_memory
 from ..memory._device import as_fraction
 
 __all__ = ['BareBatchError', 'RemovedArgumentError', 'ReportCallbackError', 'carried_states', 'check_accumulation_args',
+           'check_fit_call',
            'check_carried_batch', 'check_carried_sizes', 'check_data', 'check_fit_args', 'check_remat',
            'check_trainer_args', 'check_update_args', 'check_whole_batch_loss', 'warn_batch_statistics']
 
@@ -151,6 +153,18 @@ def check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_s
     raise TypeError(f'shared_args={shared_args!r} must be a dict of arguments shared by the model, or None.')
   if fun_after_report is not None and not callable(fun_after_report):
     raise ReportCallbackError(f'{fun_after_report=} must be callable as fun_after_report(idx, metrics, phase).')
+
+
+def check_fit_call(train_data, test_data, num_epoch, num_report, reset_state, shared_args, fun_after_report,
+                   batch_size, checkpoint, checkpoint_every) -> Optional[int]:
+  """Every argument of :meth:`AccumBPTT.fit`, before anything runs; returns ``checkpoint_every`` (``None``: a
+  checkpoint at each epoch's end only)."""
+  check_fit_args(num_epoch, num_report, reset_state, fun_after_report, batch_size, shared_args)
+  checkpoint_every = check_checkpoint_args(checkpoint, checkpoint_every)
+  check_data('train_data', train_data)
+  if test_data is not None:
+    check_data('test_data', test_data)
+  return checkpoint_every
 
 
 def check_data(name: str, data) -> None:

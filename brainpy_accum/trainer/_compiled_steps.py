@@ -31,7 +31,7 @@ from ..diagnostics._compiles import QUICK_COMPILE
 from ..memory._budget import StepMemory, step_memory
 from ..memory._live import temp_bytes_at_least
 from ..memory._planner import Compilers, PlannedStep
-from ._sharded import on_mesh, split_variables
+from ..core._sharded import on_mesh, split_variables
 from ._step import Settled, batch_sums, clip_by_global_norm, guarded_update, micro_step, same, settle
 
 __all__ = ['CompiledSteps', 'StepOptions', 'StepParts', 'fit_args']
@@ -55,7 +55,7 @@ class StepParts(NamedTuple):
   """What the steps compute with, handed over by the trainer.
 
   ``model``, ``optimizer``: the trained DynamicalSystem and its optimizer; ``check_batch(inputs, targets) ->
-  BatchLayout``; ``plan_for(batch_size) -> MicroBatchPlan``; ``loss_and_aux(shared_args, inputs, targets)``,
+  BatchLayout``; ``loss_and_aux(shared_args, inputs, targets)``,
   ``forward(shared_args) -> forward(micro_args, size)``, ``loss_of(predicts, targets)``, ``weigh(micro_args,
   size)``: the model's loss (:mod:`~brainpy_accum.trainer._model_loss`); ``tracing(plan)``: the context a plan's
   step is traced in (its remat); ``quiet()``: tracing without per-time-step progress bars; ``window``: the
@@ -66,7 +66,6 @@ class StepParts(NamedTuple):
   model: Any
   optimizer: Any
   check_batch: Callable
-  plan_for: Callable[[int], MicroBatchPlan]
   loss_and_aux: Callable
   forward: Callable
   loss_of: Callable
@@ -100,7 +99,13 @@ class CompiledSteps:
     self.metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
     self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
     self.found_reductions: Dict[str, str] = {}  # undeclared scalar metrics' reductions, found by the loss check
+    self.planner = None  # the plans its steps are traced with (:meth:`attach`)
     self.rebuild()
+
+  def attach(self, planner) -> None:
+    """The planner whose plans the steps are traced with (its ``plan_for(batch_size)``), which itself plans by
+    compiling these steps (:meth:`compilers`)."""
+    self.planner = planner
 
   def rebuild(self) -> None:
     """Fresh jitted steps: they trace again, with the current plans; no kept executable."""
@@ -171,7 +176,7 @@ class CompiledSteps:
     ``shard_map``)."""
     parts, options = self.parts, self.options
     layout = parts.check_batch(inputs, targets)
-    plan = plan or parts.plan_for(layout.batch_size)
+    plan = plan or self.planner.plan_for(layout.batch_size)
     window = parts.window if with_grads and via_window else None
     alone = options.mesh is None and window is None
     params = parts.model.train_vars().unique() if with_grads else None
@@ -257,8 +262,13 @@ class CompiledSteps:
 
   def compilers(self, before_timing: Callable[[], None]) -> Compilers:
     """What the planner compiles and times; ``before_timing()`` runs before trial steps are timed."""
-    return Compilers(self._probe, self._planned, self.keepable, self._bytes_at_least,
-                     unkeep=lambda batch_size: self._kept.pop(('fit', batch_size), None), before_timing=before_timing)
+    return Compilers(step_bytes=self._probe, trial=self._compiled_for_training, keepable=self.keepable,
+                     bytes_at_least=self._bytes_at_least, unkeep=self._unkeep, before_timing=before_timing)
+
+  def _unkeep(self, batch_size: int) -> None:
+    """Forget the planner's step kept for ``batch_size`` (and its pieces'): fit traces the new plan's."""
+    self._kept.pop(('fit', batch_size), None)
+    self._kept.pop(('close', batch_size), None)
 
   def _probe(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
     """The planner's quick probe: the step's memory, compiled without optimising its code."""
@@ -281,7 +291,8 @@ class CompiledSteps:
     window: the train step, or through the window (``via_window``) the step of a streamed batch's last chunk."""
     return self.options.accumulate_steps == 1 and self.options.mesh is None and bool(self.parts.jit['fit'])
 
-  def _planned(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> PlannedStep:
+  def _compiled_for_training(self, plan: MicroBatchPlan, shared_args, inputs, targets,
+                             via_window: bool = False) -> PlannedStep:
     """The train step compiled for ``plan`` as fit runs it; its ``keep()`` makes fit run this executable for the
     batch size, so that the planner's compilation is the training's (no second one)."""
     batch_size, shared_args = self.parts.check_batch(inputs, targets).batch_size, fit_args(shared_args)

@@ -33,7 +33,6 @@ mean, without metrics, ``loss_weight_fn`` or ``grad_reduction='sum'``: a mean ov
 samples, whatever the values.
 """
 
-import contextlib
 import threading
 import warnings
 from typing import Callable, Dict, NamedTuple, Optional, Sequence
@@ -48,9 +47,10 @@ from ..core._metrics import AUX_REDUCTIONS, MetricsError, default_reduction, red
 from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_batch_like
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
+from ._fit_check import NO_CHECK, PendingCheck
 from ._random_outputs import LEVELS, POINTS, CheckNames, Evidence, loss_at_random_outputs
 
-__all__ = ['MEANS_OVER_ELEMENTS', 'NO_CHECK', 'CheckParts', 'FirstBatchCheck', 'PendingCheck', 'RunningCheck', 'check_first_batch', 'check_in_background',
+__all__ = ['MEANS_OVER_ELEMENTS', 'CheckParts', 'FirstBatchCheck', 'RunningCheck', 'check_first_batch', 'check_in_background',
            'check_loss', 'conclude', 'found_reductions', 'warn_coupled_loss', 'warn_if_coupled', 'warn_metrics']
 
 
@@ -333,19 +333,15 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
 class CheckParts(NamedTuple):
   """What the first-batch check reads of the trainer, handed over by it.
 
-  ``check_batch(inputs, targets) -> BatchLayout``; ``plan_for(batch_size)``, ``known_plan(batch_size)``: the
-  planner's plans (:class:`~brainpy_accum.memory._planner.Planner`); ``argument_bytes(inputs, targets)`` and
-  ``budget()``: whether the check fits beside planning; ``check_flat_states(shared_args, args, axes, plan,
-  states, batch_size)``: the error naming ``batch_axis`` for a model that fails on a micro-batch;
-  ``quiet()``: tracing without time-step bars; ``forward``, ``loss_of``, ``weigh``: the model's loss;
-  ``variables()``: what the check must leave as it found it; ``use_found(found)``: receives how the undeclared
-  scalar metrics combine (:func:`found_reductions`), before the first step is traced.
+  ``check_batch(inputs, targets) -> BatchLayout``; ``argument_bytes(inputs, targets)``: whether the check fits
+  beside planning; ``check_flat_states(shared_args, args, axes, plan, states, batch_size)``: the error naming
+  ``batch_axis`` for a model that fails on a micro-batch; ``quiet()``: tracing without time-step bars;
+  ``forward``, ``loss_of``, ``weigh``: the model's loss; ``variables()``: what the check must leave as it found
+  it; ``use_found(found)``: receives how the undeclared scalar metrics combine (:func:`found_reductions`),
+  before the first step is traced. The plans come from the planner (:meth:`FirstBatchCheck.attach`).
   """
   check_batch: Callable
-  plan_for: Callable
-  known_plan: Callable
   argument_bytes: Callable
-  budget: Callable[[], Optional[int]]
   check_flat_states: Callable
   quiet: Callable
   forward: Callable
@@ -380,6 +376,11 @@ class FirstBatchCheck:
     self.reduction, self.declared, self.has_metrics, self.weighted = reduction, declared, has_metrics, weighted
     self.checked = done
     self._running: Optional[RunningCheck] = None  # the check, once started
+    self.planner = None  # the plans it cuts the batch by (:meth:`attach`)
+
+  def attach(self, planner) -> None:
+    """The planner whose plans the check cuts a batch by (``plan_for``, ``known_plan``, ``budget``)."""
+    self.planner = planner
 
   def wait(self) -> None:
     """Wait for a check running beside planning (planning times trial steps after it), without its report."""
@@ -427,16 +428,16 @@ class FirstBatchCheck:
             ) -> Optional[MicroBatchPlan]:
     """The cut the check compares the whole batch with (``None``: no check now)."""
     if before_planning:
-      budget = self.parts.budget()
-      if (batch_size < 2 or self.on_mesh or not self.jit or self.parts.known_plan(batch_size) is not None
+      budget = self.planner.budget
+      if (batch_size < 2 or self.on_mesh or not self.jit or self.planner.known_plan(batch_size) is not None
           or 2 * self.parts.argument_bytes(inputs, targets) > budget):
         return None
       return plan_micro_batches(batch_size, num_micro_batch=2)
     if streamed:
-      plan = self.parts.known_plan(batch_size)
+      plan = self.planner.known_plan(batch_size)
       return plan_micro_batches(batch_size, num_micro_batch=2) if plan is None or plan.num_micro_batches == 1 \
           else plan
-    return self.parts.plan_for(batch_size)
+    return self.planner.plan_for(batch_size)
 
   def run(self, shared_args, inputs, targets, plan: MicroBatchPlan) -> Optional[RunningCheck]:
     """Start the check of this batch cut by ``plan`` (:func:`check_first_batch`); its :class:`RunningCheck`, or
@@ -450,42 +451,3 @@ class FirstBatchCheck:
                                   use_found=self.parts.use_found)
     self._running = running  # the planner waits for it before timing trial steps
     return running
-
-
-class PendingCheck:
-  """The first-batch check of one fit: started once (:meth:`start`), finished once (:meth:`finish`), both safe to
-  call again; :meth:`around_step` wraps the step it accompanies."""
-
-  def __init__(self, owner: Optional[FirstBatchCheck], batch: tuple):
-    self._owner, self._batch = owner, batch  # (shared_args, inputs, targets, plan)
-    self._running: Optional[RunningCheck] = None
-    self.started = self.finished = owner is None
-
-  def start(self) -> None:
-    """Trace the check and start it beside what runs now (without jit: run it now)."""
-    if not self.started:
-      self.started = True
-      self._running = self._owner.run(*self._batch)
-
-  def finish(self, report: bool = True) -> None:
-    """Wait for the check and give its warnings (``report=False``: only wait); nothing if it never started."""
-    if self.started and not self.finished:
-      self.finished = True
-      if self._running is not None:
-        self._running.finish(report=report)
-
-  @contextlib.contextmanager
-  def around_step(self, report: bool = True):
-    """Around the step the check accompanies: if the check started before it, finish it after it (its warnings,
-    unless ``report=False``: then only on an error); if the step raises, wait for the check without its report,
-    so that no thread of it outlives ``fit``."""
-    try:
-      yield
-    except BaseException:
-      self.finish(report=False)
-      raise
-    if report:
-      self.finish()
-
-
-NO_CHECK = PendingCheck(None, ())  # nothing to check: every method does nothing

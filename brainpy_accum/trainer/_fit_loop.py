@@ -25,7 +25,7 @@ from ..diagnostics._compiles import count_compilations
 from ..memory._oom import run_with_retry
 from ..memory._stream import StreamedStates, chunk_sizes, combine_later, host_pieces
 from ._arguments import check_carried_batch, check_carried_sizes
-from ._coupled_loss import NO_CHECK
+from ._fit_check import FitCheck
 from ._feed import Sender
 from ._pass import Batch, Pass, PhaseLog
 from ._window import steps_for_epoch
@@ -90,7 +90,7 @@ class FitLoop:
     self.view, self.options = view, options
     self.logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
     self.run = Run(view.hooks.files, self.logs, options.checkpoint, options.checkpoint_every)
-    self.check = NO_CHECK  # the first-batch check, once one is pending
+    self.check = FitCheck(view.check, options.shared_args)  # the first-batch check
     self._budget_checked = False  # once a fit: the device's room (other arrays may have come)
     self._layout = None  # the batch in hand's layout: the feed cuts batches like it
 
@@ -170,26 +170,20 @@ class FitLoop:
       self._budget_checked = True
       if planner.recheck_budget(batch.inputs, batch.targets):  # the plans it dropped: their steps trace again
         self.view.steps.rebuild()
-    if one.phase == 'fit' and self.check is NO_CHECK:
-      self.check = self.view.check.pending(shared_args, batch.inputs, batch.targets, before_planning=True)
-      if not planner.is_cached(shared_args, batch.inputs, batch.targets):
-        self.check.start()  # it compiles beside the search
-    with self.check.around_step(report=False), self._errors_of_the_whole_batch(batch):
+    cached = planner.is_cached(shared_args, batch.inputs, batch.targets)
+    with self.check.planning(one.phase, batch.inputs, batch.targets, cached), self._errors_of_the_whole_batch(batch):
       self.view.hooks.plan(batch.inputs, batch.targets, shared_args)
     if batch.size not in planner.stream_chunks and planner.plan_for(batch.size).num_micro_batches == 1:
-      self.check.finish(report=False)  # one micro-batch trains the whole batch's loss: nothing to warn about
+      self.check.drop()
 
   def _whole(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
     """One batch's step, in one piece (cut into micro-batches inside it)."""
-    if one.phase == 'fit' and self.check is NO_CHECK:  # started once this step runs, finished after the next
-      self.check = self.view.check.pending(self.options.shared_args, batch.inputs, batch.targets)
     update = one.updates(batch)
     kind = self._kind(one.phase, update)
-    with self.check.around_step(report=False), self._closing(kind == 'close' and not update):
-      loss, aux = self._step(kind, batch.data, batch.size, batch)
-    one.feed.dispatched(loss)  # the next batch on its way to the device while this step runs
-    self.check.finish()  # one started before (beside planning, or the first step): its warnings now
-    self.check.start()  # else traced now, while the step runs; its warnings after the next, a report or the end
+    with self.check.stepping(one.phase, batch.inputs, batch.targets):
+      with self._closing(kind == 'close' and not update):
+        loss, aux = self._step(kind, batch.data, batch.size, batch)
+      one.feed.dispatched(loss)  # the next batch on its way to the device while this step runs
     return loss, aux
 
   def _streamed(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
@@ -203,14 +197,13 @@ class FitLoop:
         data = batch.sent.pop(i, None) or piece()
         states.enter(start, size)
         self.view.planner.plan_chunk(*data, self.options.shared_args)  # the shorter last has its own plan
-        if i == 0 and one.phase == 'fit':
-          self._check_streamed(batch, data, size, states)
         last = update and i == len(pieces) - 1
         kind = self._kind(one.phase, last, streamed=True)
-        with self.check.around_step(report=False), self._closing(kind == 'close' and not last):
+        first = i == 0 and one.phase == 'fit'
+        with self._checked_piece(batch, data, size, states) if first else contextlib.nullcontext(), \
+             self._closing(kind == 'close' and not last):
           results.append(self._step(kind, data, size, batch))
         one.feed.dispatched(results[-1][0], i, len(pieces))  # the next piece (or batch) on its way
-        self.check.finish()
         weights.append(size if weigh is None else weigh(*data))  # read with the results, when reported
         states.leave()
     states.join()
@@ -223,19 +216,14 @@ class FitLoop:
     chunk = self.view.planner.stream_chunks.get(self._layout.batch_size)
     return None if chunk is None else host_pieces(inputs, targets, self._layout, chunk)
 
-  def _check_streamed(self, batch: Batch, data: tuple, size: int, states: StreamedStates) -> None:
-    """The first-batch check of a streamed batch, on its first piece: the pieces combine like micro-batches, so
-    samples the step trains in one piece are still checked cut in two. A piece of one sample: the check takes
-    the batch's first two samples (and their model state), which need no more memory than two samples."""
-    if self.check is NO_CHECK:
-      if size >= 2:
-        self.check = self.view.check.pending(self.options.shared_args, *data, streamed=True)
-      else:
-        first_two = host_pieces(batch.inputs, batch.targets, batch.layout, 2)[0][2]()
-        with states.first_samples(2):
-          self.check = self.view.check.pending(self.options.shared_args, *first_two, streamed=True)
-          self.check.start()
-    self.check.start()
+  def _checked_piece(self, batch: Batch, data: tuple, size: int, states: StreamedStates):
+    """The first-batch check of a streamed batch, around its first piece's step (``data``, ``size`` samples):
+    the pieces combine like micro-batches, so samples the step trains in one piece are still checked cut in two.
+    A piece of one sample: the check takes the batch's first two samples (and their model state)."""
+    if size >= 2:
+      return self.check.stepping('fit', *data, streamed=True)
+    first_two = host_pieces(batch.inputs, batch.targets, batch.layout, 2)[0][2]()
+    return self.check.stepping('fit', *first_two, streamed=True, within=states.first_samples(2))
 
   def _step(self, kind: str, data: tuple, size: int, batch: Batch) -> Tuple[Any, dict]:
     """Run one compiled step on ``data`` (``size`` samples of ``batch``; again, cut finer, after running out of

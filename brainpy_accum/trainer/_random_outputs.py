@@ -117,7 +117,7 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   metric_plan, undecided, metrics = _point_metrics(loss_of if has_metrics else None, args, axes, points[0], out_axes,
                                                    plan, declared, reduction, names)
   with_grads = wholes[LEVELS][2] is not None
-  micro_fn = _micro_fn(loss_of, weigh, undecided, points[LEVELS], out_axes, with_grads)
+  micro_fn = _check_at_points(loss_of, weigh, undecided, points[LEVELS], out_axes, with_grads)
   like, cut = _gradients_like(points[LEVELS], out_axes)
   split = lambda items, batch: [x for x, c in zip(items, cut) if c == batch]
   sums = accumulate(micro_fn, tuple(args) + tuple(points), list(axes) + list(out_axes) * len(POINTS), plan, [],
@@ -135,7 +135,7 @@ def _point_metrics(loss_of: Optional[Callable], args: tuple, axes, outputs, out_
   sizes = second_sizes(plan)
   small, large = traced_shapes(lambda micro_args, size: micro_args[2], tuple(args) + (outputs,),
                                list(axes) + list(out_axes), [], sizes)
-  metric_plan, paths = _metric_plan(loss_of, args, axes, declared, reduction, plan.batch_size, small, large, sizes)
+  metric_plan, paths = _metrics_by_shapes(loss_of, args, axes, declared, reduction, plan.batch_size, small, large, sizes)
   undecided = undeclared_leaves(paths, metric_plan.rules, declared)
   names.metrics[:] = [(jax.tree_util.keystr(paths[i]), metric_name(paths[i]), rule.reduction)
                       for i, rule in enumerate(metric_plan.rules) if rule.axis is None and i not in undecided]
@@ -152,7 +152,7 @@ def _gradients_like(outputs, out_axes) -> Tuple[list, list]:
   return [leaves[i] for i in floating], [out_axes[i] is not None for i in floating]
 
 
-def _micro_fn(loss_of: Callable, weigh: Callable, undecided: list, outputs, out_axes, with_grads: bool) -> Callable:
+def _check_at_points(loss_of: Callable, weigh: Callable, undecided: list, outputs, out_axes, with_grads: bool) -> Callable:
   """The engine's ``micro_fn`` of the check: at every point the micro-batch's loss, its metrics (each undecided one
   per candidate) and ``|loss|``; at LEVELS each micro-batch's loss differentiated with respect to its slice of
   the outputs (the gradient of the combination: every slice's weighted gradient in its place, the weighted sum
@@ -252,7 +252,7 @@ def _gaps(whole, combined):
   return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.float32)
 
 
-def _metric_plan(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,
+def _metrics_by_shapes(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,
                  large, sizes) -> Tuple[MetricPlan, list]:
   """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``, and the
   paths of their leaves: the loss alone is traced (brainstate's ``eval_shape``: a loss that draws random numbers

@@ -15,9 +15,9 @@ import brainstate
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from ..core._batch import is_array
-from ..core._mesh import batch_spec, per_device_random, sum_across_devices
-from ..core._states import batched_variables
+from ._batch import is_array
+from ._mesh import batch_spec, per_device_random, sum_across_devices
+from ._states import batched_variables
 
 __all__ = ['on_mesh', 'split_variables']
 

@@ -1,0 +1,105 @@
+"""The first-batch check's life in one :meth:`fit` call: a :class:`PendingCheck` started once and finished once,
+and :class:`FitCheck`, which says when, so that the fit loop holds one object and calls it at three places
+(planning, a step, the end of a pass or a report). What the check computes is
+:mod:`~brainpy_accum.trainer._coupled_loss`'s.
+"""
+
+import contextlib
+
+__all__ = ['NO_CHECK', 'FitCheck', 'PendingCheck']
+
+
+class PendingCheck:
+  """The first-batch check of one fit: started once (:meth:`start`), finished once (:meth:`finish`), both safe to
+  call again; :meth:`around_step` wraps the step it accompanies."""
+
+  def __init__(self, owner, batch: tuple):
+    self._owner, self._batch = owner, batch  # (shared_args, inputs, targets, plan)
+    self._running = None  # its RunningCheck, once started
+    self.started = self.finished = owner is None
+
+  def start(self) -> None:
+    """Trace the check and start it beside what runs now (without jit: run it now)."""
+    if not self.started:
+      self.started = True
+      self._running = self._owner.run(*self._batch)
+
+  def finish(self, report: bool = True) -> None:
+    """Wait for the check and give its warnings (``report=False``: only wait); nothing if it never started."""
+    if self.started and not self.finished:
+      self.finished = True
+      if self._running is not None:
+        self._running.finish(report=report)
+
+  @contextlib.contextmanager
+  def around_step(self, report: bool = True):
+    """Around the step the check accompanies: if the check started before it, finish it after it (its warnings,
+    unless ``report=False``: then only on an error); if the step raises, wait for the check without its report,
+    so that no thread of it outlives ``fit``."""
+    try:
+      yield
+    except BaseException:
+      self.finish(report=False)
+      raise
+    if report:
+      self.finish()
+
+
+NO_CHECK = PendingCheck(None, ())  # nothing to check: every method does nothing
+
+
+class FitCheck:
+  """The first-batch check as one :meth:`fit` call meets it: at most one :class:`PendingCheck`, started beside
+  the planner's search (:meth:`planning`) or once the first step is dispatched (:meth:`stepping`), finished after
+  the step it accompanies, at a report or at the pass's end (:meth:`finish`).
+
+  Parameters
+  ----------
+  owner : FirstBatchCheck
+    The trainer's check (once per trainer: later calls find nothing to check).
+  shared_args : dict
+    The shared arguments of the fit's steps.
+  """
+
+  def __init__(self, owner, shared_args):
+    self.owner, self.shared_args, self.pending = owner, shared_args, NO_CHECK
+
+  @contextlib.contextmanager
+  def planning(self, phase: str, inputs, targets, cached: bool):
+    """Around planning a batch: in training, the check cut in two starts beside the search (where the plan is
+    ``cached`` it waits for the first step); if planning raises, it is waited for without its report."""
+    if phase == 'fit' and self.pending is NO_CHECK:
+      self.pending = self.owner.pending(self.shared_args, inputs, targets, before_planning=True)
+      if not cached:
+        self.pending.start()
+    with self.pending.around_step(report=False):
+      yield
+
+  def drop(self) -> None:
+    """The batch runs in one micro-batch, which trains the whole batch's loss: nothing to warn about."""
+    self.pending.finish(report=False)
+
+  @contextlib.contextmanager
+  def stepping(self, phase: str, inputs, targets, streamed: bool = False, within=None):
+    """Around a training step (and whatever the loop dispatches with it): a check not pending yet is made for
+    this batch (``streamed``: its first piece, ``inputs, targets``; made ``within`` that context, if given) and,
+    for a streamed piece, started before it; after the step, one started before gives its warnings, else it is
+    traced now, beside the step just dispatched. If the step raises, the check is waited for without its report."""
+    if phase != 'fit':
+      yield
+      return
+    if self.pending is NO_CHECK:
+      with within or contextlib.nullcontext():
+        self.pending = self.owner.pending(self.shared_args, inputs, targets, streamed=streamed)
+        if streamed:
+          self.pending.start()
+    if streamed:
+      self.pending.start()
+    with self.pending.around_step(report=False):
+      yield
+    self.pending.finish()
+    self.pending.start()
+
+  def finish(self, report: bool = True) -> None:
+    """Wait for the check and give its warnings (``report=False``: only wait)."""
+    self.pending.finish(report=report)
