@@ -564,14 +564,9 @@ class Planner:
       micro = None if piece is None else search.micro_batch_of(piece)
     if micro is None:
       return self._stream(request, None)  # no piece of one micro-batch fits: chunks, or the error that says why
-    self.stream_chunks[batch_size] = piece
-    if piece in search.unkept:  # fit runs it for each batch's pieces
-      search.unkept[piece].keep()
-    plan, used = self.memory_plans[piece]
-    tqdm.write(f'memory plan: batch {batch_size} streamed from the host in pieces of {piece} ({plan.describe()}, '
-               f'train step {format_memory(used)} of {self.budget_of.describe()}), each sent to the device while '
-               f'the one before computes; one update per batch')
-    return plan
+    return self._streamed_in(batch_size, piece, search.unkept,
+                             f'streamed from the host in pieces of {piece}, each sent to the device while the one '
+                             f'before computes')
 
   def _stream(self, request: _Request, error: Optional[ValueError]) -> MicroBatchPlan:
     """The batch's data does not fit beside its step: stream it from the host in chunks (the chunk size:
@@ -593,13 +588,19 @@ class Planner:
           need = search.one_sample_need()
     if chunk is None:
       return self._not_streamed(request, error, need)
+    return self._streamed_in(batch_size, chunk, search.unkept,
+                             f'does not fit {self.budget_of.describe()} with its data on the device; streamed from '
+                             f'the host in chunks of {chunk}')
+
+  def _streamed_in(self, batch_size: int, chunk: int, unkept: Dict[int, PlannedStep], how: str) -> MicroBatchPlan:
+    """Record that ``batch_size`` streams in chunks (pieces) of ``chunk`` (planned: its step kept from ``unkept``,
+    which fit runs for them), and say ``how``; the chunk's plan."""
     self.stream_chunks[batch_size] = chunk
-    if chunk in search.unkept:  # fit runs it for each batch's last chunk
-      search.unkept[chunk].keep()
+    if chunk in unkept:
+      unkept[chunk].keep()
     plan, used = self.memory_plans[chunk]
-    tqdm.write(f'memory plan: batch {batch_size} does not fit {self.budget_of.describe()} with its data on the '
-               f'device; streamed from the host in chunks of {chunk} ({plan.describe()}, train step '
-               f'{format_memory(used)}), one update per batch')
+    tqdm.write(f'memory plan: batch {batch_size} {how} ({plan.describe()}, train step {format_memory(used)} of '
+               f'{self.budget_of.describe()}), one update per batch')
     return plan
 
   def _not_streamed(self, request: _Request, error: Optional[ValueError], need: Optional[int]) -> MicroBatchPlan:

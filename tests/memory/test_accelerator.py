@@ -154,3 +154,26 @@ def test_auto_trains_a_batch_whose_bptt_step_does_not_fit_the_device(too_large):
   after = params_of(trainer.target)
   assert all(np.isfinite(p).all() for p in after) and np.isfinite(trainer.train_losses).all()
   assert not all(np.array_equal(a, b) for a, b in zip(after, before))  # it trained
+
+
+@pytest.mark.parametrize('share', [0.6, 0.3])
+def test_an_array_put_on_the_device_after_planning_makes_fit_plan_again_and_train_as_bptt(share, capsys):
+  """Planned on the free device (no budget: the device's own), then an array of this test holds ``share`` of it
+  and fit runs again: no error reaches the caller (the plan is made again where it no longer fits the room
+  left), and two epochs, one each side of the hold, end where bp.BPTT's two epochs on the free device do. The
+  issue's figures (88.9 s for one batch with 30% held, a raw E0101 with 60%) came from the plan of the free
+  device kept under the hold; the timing is the benchmark's (``--holds``), not this test's."""
+  size = _size_for(0.5)  # the whole step: half of the device
+  batch = _batch(size, seed=4)
+  trainer = _trainer(num_micro_batch='auto')
+  trainer.fit([batch], num_epoch=1)
+  hold = jnp.zeros((int(share * _device_limit()) // 4,), jnp.float32).block_until_ready()
+  try:
+    trainer.fit([batch], num_epoch=1)
+  finally:
+    del hold
+    gc.collect()
+  assert 'RESOURCE_EXHAUSTED' not in capsys.readouterr().out
+  reference = _trainer(bp.BPTT)
+  reference.fit([batch], num_epoch=2)
+  assert_trees_close(params_of(trainer.target), params_of(reference.target))
