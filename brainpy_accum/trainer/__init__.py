@@ -1,13 +1,14 @@
 """``AccumBPTT``: :class:`brainpy.BPTT` with gradient accumulation, and what it is made of.
 
-``_accum_bptt``: the class, a thin trainer that composes the parts below; ``_fit_loop``: the epochs of ``fit``;
-``_feed``: each batch sent to the device while the step before it runs;
-``_compiled_steps``: the steps it runs, jitted or compiled ahead of time for the planner; ``_step``: one batch's
-step (sums, settled, clipped, guarded; on a mesh: ``_sharded``); ``_window``: accumulation across batches;
-``_model_loss``: the model's predictions and loss over bp.BPTT's own functions; ``_coupled_loss``: the
-first-batch check that the loss is a mean over samples (what it computes: ``_random_outputs``);
-``_arguments``: argument checks and their errors; ``_report``: the metric history and report lines. The memory
-planner is :mod:`brainpy_accum.memory`'s.
+``_accum_bptt``: the class, a thin trainer that composes the parts below; ``_fit_loop``: ``FitLoop``, one
+``fit`` call; ``_pass``: one pass over the data, and the metric history and report lines; ``_fit_check``: when the
+first-batch check starts and finishes; ``_feed``: each batch, or piece of one, sent to the device while the step
+before it runs; ``_compiled_steps``: the steps it runs, jitted or compiled ahead of time for the planner;
+``_step``: one batch's step (sums, settled, clipped, guarded; on a mesh: :mod:`brainpy_accum.core._sharded`);
+``_window``: accumulation across batches; ``_model_loss``: the model's predictions and loss over bp.BPTT's own
+functions; ``_coupled_loss``: the first-batch check that the loss is a mean over samples (what it computes:
+``_random_outputs``); ``_arguments``: argument checks and their errors. The memory planner is
+:mod:`brainpy_accum.memory`'s.
 """
 
 from ._accum_bptt import AccumBPTT as AccumBPTT
