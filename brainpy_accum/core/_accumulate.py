@@ -21,6 +21,7 @@ from ._cut import MicroBatchPlan, as_int, check_cut, is_int, plan_micro_batches
 from ._metrics import MetricPlan, join_metrics, split_metrics, stacked_partials, stitched_axes
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
+from ._written import Unwatched, WriteReport, Written, apart_across_devices, restart, restarted, written_by
 
 __all__ = ['MicroResult', 'Sums', 'accumulate', 'micro_batched_grad']
 
@@ -38,7 +39,9 @@ class Sums(NamedTuple):
   """Weighted sums over the micro-batches of one batch, before division; ``samples`` stitched to the batch.
 
   With a :class:`~brainpy_accum.core._metrics.MetricPlan`, ``aux_sum`` holds each metric's partial combination
-  (stitched leaves whole) and ``count`` the samples, for means by sample count.
+  (stitched leaves whole) and ``count`` the samples, for means by sample count. ``written``: the states without
+  a batch axis that the micro-batches wrote (:mod:`~brainpy_accum.core._written`), which every micro-batch
+  started from their values in ``written.starts``.
   """
   grad_sum: Any
   total_weight: Any
@@ -46,24 +49,29 @@ class Sums(NamedTuple):
   aux_sum: Any
   samples: Any
   count: Any = None
+  written: Optional[Written] = None
 
 
 def _axes_like(tree, axis):
   return jax.tree_util.tree_map(lambda _: axis, tree, is_leaf=is_array)
 
 
-def _one_batch(micro_fn, args, plan: MicroBatchPlan, grads_like, metrics: Optional[MetricPlan]) -> Sums:
-  out = micro_fn(args, plan.batch_size)
+def _one_batch(micro_fn, args, plan: MicroBatchPlan, grads_like, metrics: Optional[MetricPlan], skip: set) -> Sums:
+  with brainstate.StateTraceStack() as trace:  # which states without a batch axis it writes, and their starts
+    out = micro_fn(args, plan.batch_size)
+  wrote = written_by(trace, skip)
+  starts = dict(zip(map(id, trace.states), trace.original_state_values))
+  written = Written(tuple(wrote), tuple(starts[id(s)] for s in wrote), (jnp.asarray(False),) * len(wrote))
   grad_sum = None if grads_like is None else add_scaled(wide_zeros_like(grads_like), out.weight, out.grads)
   if metrics is None:
     values = jax.tree_util.tree_map(lambda v: v[None], (out.loss, out.aux))
-    return Sums(grad_sum, out.weight, *sum_values(values, out.weight[None], 'mean'), out.samples)
+    return Sums(grad_sum, out.weight, *sum_values(values, out.weight[None], 'mean'), out.samples, written=written)
   (loss_sum,) = sum_values((out.loss[None],), out.weight[None], 'mean')
   reduced, stitched = split_metrics(out.aux, metrics.rules)
   partial = stacked_partials([v[None] for v in reduced], metrics.rules, out.weight[None],
                              jnp.full((1,), plan.batch_size, jnp.float32), metrics.mean_by_weight)
   aux = join_metrics(jax.tree_util.tree_structure(out.aux), metrics.rules, partial, stitched)
-  return Sums(grad_sum, out.weight, loss_sum, aux, out.samples, jnp.asarray(plan.batch_size, jnp.float32))
+  return Sums(grad_sum, out.weight, loss_sum, aux, out.samples, jnp.asarray(plan.batch_size, jnp.float32), written)
 
 
 def _cut(leaves, treedef, axes, start, size: int):
@@ -98,7 +106,8 @@ def _full_only(_, run_full, run_short, *operands):
 
 def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], plan: MicroBatchPlan,
                states: Sequence = (), grads_like: Any = None, samples_like: Any = None,
-               sample_axes: Optional[Sequence[Optional[int]]] = None, metrics: Optional[MetricPlan] = None) -> Sums:
+               sample_axes: Optional[Sequence[Optional[int]]] = None, metrics: Optional[MetricPlan] = None,
+               report: Optional[WriteReport] = None) -> Sums:
   """Run ``micro_fn(micro_args, size) -> MicroResult`` on every micro-batch of ``plan``; return the weighted sums.
 
   ``axes``: the batch axis of each leaf of ``args`` (``None``: passed whole). ``states``: ``(State, axis)``
@@ -109,14 +118,40 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
   micro-batch is a ``cond`` branch of it, so it shares the full micro-batches' working memory.
   ``metrics``: how each metric leaf combines (``None``: all as weighted means, like the loss); per-sample
   metrics are stitched into whole-batch buffers like ``samples``.
+
+  Other states that ``micro_fn`` writes (random keys aside) start every micro-batch from their values at the
+  call and end as the first micro-batch wrote them (:mod:`~brainpy_accum.core._written`); ``report`` warns of
+  those whose writes differed between micro-batches (default: naming them by type and shape).
   """
+  skip = {id(s) for s, _ in states}
   if plan.num_micro_batches == 1:
-    return _one_batch(micro_fn, args, plan, grads_like, metrics)
+    return _one_batch(micro_fn, args, plan, grads_like, metrics, skip)
+  whole, watched = [s.value for s, _ in states], []
+  while True:
+    try:
+      sums = _scanned(micro_fn, args, axes, plan, states, whole, grads_like, samples_like, sample_axes, metrics,
+                      watched)
+      break
+    except Unwatched as found:  # its micro-batches write states without a batch axis: again, restarting them
+      watched += found.states
+  holds = f'what the first micro-batch (the first {plan.micro_batch_size} of {plan.batch_size} samples) wrote'
+  (report or _ANONYMOUS).report(sums.written, holds)
+  return sums
+
+
+_ANONYMOUS = WriteReport()  # names states by their type and shape
+
+
+def _scanned(micro_fn, args, axes, plan: MicroBatchPlan, states, whole: list, grads_like, samples_like, sample_axes,
+             metrics: Optional[MetricPlan], watched: list) -> Sums:
+  """:func:`accumulate`'s scan, the ``states`` set from their ``whole`` values; the ``watched`` states restart
+  every micro-batch from their values now. Raises :class:`Unwatched` while traced if a micro-batch writes others."""
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
-  state_axes = [_axes_like(s.value, a) for s, a in states]
+  state_axes = [_axes_like(value, a) for value, (_, a) in zip(whole, states)]
   sample_axes = [0] * len(jax.tree_util.tree_leaves(samples_like)) if sample_axes is None else sample_axes
   size, num_full = plan.micro_batch_size, plan.num_full
   aux_def = []  # the metrics' structure, seen while tracing
+  starts, skip = [s.value for s in watched], {id(s) for s, _ in states} | set(map(id, watched))
 
   def run(start, n, buffers):
     _enter(states, state_axes, buffers[0], start, n)
@@ -138,20 +173,21 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
     return out, buffers
 
   def body(carry, index):
-    grad_sum, buffers = carry
+    grad_sum, buffers, firsts, apart = carry
     branch = brainstate.transform.cond if plan.remainder else _full_only
-    out, buffers = branch(index < num_full, run_full, run_short, index, buffers)
+    (out, buffers), firsts, apart = restarted(lambda: branch(index < num_full, run_full, run_short, index, buffers),
+                                              Written(watched, starts, apart), skip, index, firsts)
     grad_sum = None if grad_sum is None else add_scaled(grad_sum, out.weight, out.grads)
-    return (grad_sum, buffers), (out.loss, out.aux, out.weight)
+    return (grad_sum, buffers, firsts, apart), (out.loss, out.aux, out.weight)
 
-  buffers = ([s.value for s, _ in states], _zeros(samples_like), _zeros([] if metrics is None else metrics.stitched_like))
-  _enter(states, state_axes, buffers[0], 0, size)  # the scan carries the states at the micro-batch size
-  init = (None if grads_like is None else wide_zeros_like(grads_like), buffers)
-  (grad_sum, (values, samples, stitched)), stacked = brainstate.transform.scan(
+  buffers = (whole, _zeros(samples_like), _zeros([] if metrics is None else metrics.stitched_like))
+  _enter(states, state_axes, whole, 0, size)  # the scan carries the states at the micro-batch size
+  init = (None if grads_like is None else wide_zeros_like(grads_like), buffers, starts, [jnp.asarray(False)] * len(starts))
+  (grad_sum, (values, samples, stitched), firsts, apart), stacked = brainstate.transform.scan(
     body, init, jnp.arange(plan.num_micro_batches))
-  for (state, _), value in zip(states, values):
-    state.value = value
-  return _summed(plan, grad_sum, samples, stitched, stacked, metrics, aux_def[0])
+  restart([s for s, _ in states] + watched, values + firsts)  # the stitched states, the first micro-batch's writes
+  sums = _summed(plan, grad_sum, samples, stitched, stacked, metrics, aux_def[0])
+  return sums._replace(written=Written(tuple(watched), tuple(starts), tuple(apart)))
 
 
 def _summed(plan: MicroBatchPlan, grad_sum, samples, stitched, stacked, metrics: Optional[MetricPlan], aux_def) -> Sums:
@@ -245,9 +281,10 @@ def _check_mesh_option(mesh, mesh_axis) -> Optional[str]:
 
 
 def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchPlan, batched, tree, samples_like,
-             randoms) -> Sums:
+             randoms, report: WriteReport) -> Sums:
   """:func:`accumulate` on each device's share of the batch (``plan``: one share's micro-batches), then the
-  devices' sums added by one all-reduce. Batched states are split like the arguments; others are replicated."""
+  devices' sums added by one all-reduce. Batched states are split like the arguments; others are replicated
+  (states written without a batch axis: ``report`` hears where the devices wrote different values)."""
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
   # Arrays enter the shards (split or replicated); Python numbers passed whole reach the loss as they are.
   static = [a is None and not hasattr(x, 'shape') for x, a in zip(leaves, axes)]
@@ -260,7 +297,10 @@ def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchP
     local_args = treedef.unflatten([x if s else next(mapped) for x, s in zip(leaves, static)])
     params = jax.tree_util.tree_map(lambda s: s.value, tree, is_leaf=is_state)
     with per_device_random(randoms, mesh_axis):
-      sums = accumulate(micro_fn, local_args, axes, plan, batched, params, share_like)
+      sums = accumulate(micro_fn, local_args, axes, plan, batched, params, share_like, report=report)
+    if sums.written.states:
+      report.report(sums.written._replace(apart=apart_across_devices(sums.written, mesh_axis)),
+                    "what one device's first micro-batch wrote")
     return sum_across_devices(tuple(sums[:4]), mesh_axis), sums.samples  # the one all-reduce of the call
 
   run = brainstate.transform.shard_map(
@@ -376,6 +416,8 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   grad_ids = {id(s) for s in jax.tree_util.tree_leaves(grad_states, is_leaf=is_state)}
   tree = dict(grad_states) if isinstance(grad_states, dict) else grad_states  # as brainstate shapes the grads
   weigh = functools.partial(_weigh, grad_reduction, loss_weight_fn)
+  report = WriteReport({id(s): f'grad_states{jax.tree_util.keystr(path)}' for path, s in
+                        jax.tree_util.tree_flatten_with_path(grad_states, is_leaf=is_state)[0]})
 
   def grad_fn(*args):
     axes, batch = _leaf_axes(args, batch_axis)
@@ -389,7 +431,7 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
       created = log[-1]
     else:
       sums, keep = _sums(loss_and_new, grad_states, named, grad_ids, weigh, args, axes, plan, batch, params, tree,
-                         mesh, mesh_axis)
+                         mesh, mesh_axis, report)
       grads = finish_grads(sums.grad_sum, sums.total_weight, grad_reduction, params)
       loss, aux = finish_values((sums.loss_sum, sums.aux_sum), sums.total_weight, grad_reduction)
       samples, created = sums.samples, [log[-1][i] for i in keep]
@@ -413,14 +455,14 @@ def _weigh(grad_reduction: str, loss_weight_fn: Optional[Callable], micro_args, 
 
 
 def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, args, axes, plan: MicroBatchPlan, batch: int,
-          params, tree, mesh: Optional[Mesh], mesh_axis: Optional[str]) -> Tuple[Sums, list]:
+          params, tree, mesh: Optional[Mesh], mesh_axis: Optional[str], report: WriteReport) -> Tuple[Sums, list]:
   """:func:`micro_batched_grad`'s sums of a batch of several micro-batches (on ``mesh``: of every device's share,
   added), and which of the States the loss creates hold the batch (``keep``)."""
   if mesh is None:
     batched, keep, samples_like = prepare_states(named, loss_and_new, args, batch, grad_ids, weigh)
     with declared_batch_axes(batched):
       return accumulate(_micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched, params,
-                        samples_like), keep
+                        samples_like, report=report), keep
   touched = []
   batched, keep, samples_like = prepare_states(named, _recording(loss_and_new, touched), args, batch, grad_ids, weigh)
   cut = {id(s) for s, _ in batched}
@@ -428,4 +470,4 @@ def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, args, axes, pl
                   if isinstance(s, brainstate.random.RandomState) and id(s) not in cut}.values())
   with declared_batch_axes(batched):
     return _on_mesh(mesh, mesh_axis, _micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched,
-                    tree, samples_like, randoms), keep
+                    tree, samples_like, randoms, report), keep

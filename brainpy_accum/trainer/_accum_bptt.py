@@ -240,8 +240,8 @@ class AccumBPTT(bp.BPTT):
     streams = self.num_micro_batch == 'auto' and self.mesh is None and not self.whole_batch_loss
     devices = 1 if self.mesh is None else mesh_size(self.mesh, self.mesh_axis)  # a batch is split over them
     needs_window = self.accumulate_steps != 1 or streams  # sums between steps
-    self._window = GradWindow(self.target.train_vars().unique(), None if self.mesh is None else devices) \
-        if needs_window else None
+    self._window = GradWindow(self.target.train_vars().unique(), None if self.mesh is None else devices,
+                              self._variables()) if needs_window else None
     model = self._model
     self._steps = CompiledSteps(
       StepParts(self.target, self.optimizer, self._check_batch, self.plan_for, model.loss_and_aux, model.forward,
