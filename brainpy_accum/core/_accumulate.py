@@ -21,7 +21,7 @@ from ._cut import MicroBatchPlan, as_int, check_cut, is_int, plan_micro_batches
 from ._metrics import MetricPlan, join_metrics, split_metrics, stacked_partials, stitched_axes
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
-from ._written import Unwatched, WriteReport, Written, apart_across_devices, restart, restarted, written_by
+from ._written import WriteReport, Written, apart_across_devices, kept_last, restart, values_before, written_by
 
 __all__ = ['MicroResult', 'Sums', 'accumulate', 'micro_batched_grad']
 
@@ -60,8 +60,7 @@ def _one_batch(micro_fn, args, plan: MicroBatchPlan, grads_like, metrics: Option
   with brainstate.StateTraceStack() as trace:  # which states without a batch axis it writes, and their starts
     out = micro_fn(args, plan.batch_size)
   wrote = written_by(trace, skip)
-  starts = dict(zip(map(id, trace.states), trace.original_state_values))
-  written = Written(tuple(wrote), tuple(starts[id(s)] for s in wrote), (jnp.asarray(False),) * len(wrote))
+  written = Written(tuple(wrote), values_before(trace, wrote), (jnp.asarray(False),) * len(wrote))
   grad_sum = None if grads_like is None else add_scaled(wide_zeros_like(grads_like), out.weight, out.grads)
   if metrics is None:
     values = jax.tree_util.tree_map(lambda v: v[None], (out.loss, out.aux))
@@ -120,21 +119,15 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
   metrics are stitched into whole-batch buffers like ``samples``.
 
   Other states that ``micro_fn`` writes (random keys aside) start every micro-batch from their values at the
-  call and end as the first micro-batch wrote them (:mod:`~brainpy_accum.core._written`); ``report`` warns of
+  call and end as the last micro-batch wrote them (:mod:`~brainpy_accum.core._written`); ``report`` warns of
   those whose writes differed between micro-batches (default: naming them by type and shape).
   """
   skip = {id(s) for s, _ in states}
   if plan.num_micro_batches == 1:
     return _one_batch(micro_fn, args, plan, grads_like, metrics, skip)
-  whole, watched = [s.value for s, _ in states], []
-  while True:
-    try:
-      sums = _scanned(micro_fn, args, axes, plan, states, whole, grads_like, samples_like, sample_axes, metrics,
-                      watched)
-      break
-    except Unwatched as found:  # its micro-batches write states without a batch axis: again, restarting them
-      watched += found.states
-  holds = f'what the first micro-batch (the first {plan.micro_batch_size} of {plan.batch_size} samples) wrote'
+  whole = [s.value for s, _ in states]
+  sums = _scanned(micro_fn, args, axes, plan, states, whole, grads_like, samples_like, sample_axes, metrics)
+  holds = f'what the last micro-batch (the last {plan.sizes[-1]} of {plan.batch_size} samples) wrote'
   (report or _ANONYMOUS).report(sums.written, holds)
   return sums
 
@@ -143,15 +136,15 @@ _ANONYMOUS = WriteReport()  # names states by their type and shape
 
 
 def _scanned(micro_fn, args, axes, plan: MicroBatchPlan, states, whole: list, grads_like, samples_like, sample_axes,
-             metrics: Optional[MetricPlan], watched: list) -> Sums:
-  """:func:`accumulate`'s scan, the ``states`` set from their ``whole`` values; the ``watched`` states restart
-  every micro-batch from their values now. Raises :class:`Unwatched` while traced if a micro-batch writes others."""
+             metrics: Optional[MetricPlan]) -> Sums:
+  """:func:`accumulate`'s scan, the ``states`` set from their ``whole`` values. The states without a batch axis
+  that a micro-batch writes are found as the body is traced (``wrote``); each micro-batch starts from their
+  values now, and the last keeps its writes (:func:`~brainpy_accum.core._written.kept_last`)."""
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
   state_axes = [_axes_like(value, a) for value, (_, a) in zip(whole, states)]
   sample_axes = [0] * len(jax.tree_util.tree_leaves(samples_like)) if sample_axes is None else sample_axes
   size, num_full = plan.micro_batch_size, plan.num_full
-  aux_def = []  # the metrics' structure, seen while tracing
-  starts, skip = [s.value for s in watched], {id(s) for s, _ in states} | set(map(id, watched))
+  aux_def, wrote = [], []  # the metrics' structure and the states written without a batch axis, seen while tracing
 
   def run(start, n, buffers):
     _enter(states, state_axes, buffers[0], start, n)
@@ -173,21 +166,23 @@ def _scanned(micro_fn, args, axes, plan: MicroBatchPlan, states, whole: list, gr
     return out, buffers
 
   def body(carry, index):
-    grad_sum, buffers, firsts, apart = carry
-    branch = brainstate.transform.cond if plan.remainder else _full_only
-    (out, buffers), firsts, apart = restarted(lambda: branch(index < num_full, run_full, run_short, index, buffers),
-                                              Written(watched, starts, apart), skip, index, firsts)
+    grad_sum, buffers = carry
+    with brainstate.StateTraceStack() as trace:
+      branch = brainstate.transform.cond if plan.remainder else _full_only
+      out, buffers = branch(index < num_full, run_full, run_short, index, buffers)
+    wrote[:], prints = kept_last(trace, {id(s) for s, _ in states}, index == plan.num_micro_batches - 1)
     grad_sum = None if grad_sum is None else add_scaled(grad_sum, out.weight, out.grads)
-    return (grad_sum, buffers, firsts, apart), (out.loss, out.aux, out.weight)
+    return (grad_sum, buffers), (out.loss, out.aux, out.weight, prints)
 
   buffers = (whole, _zeros(samples_like), _zeros([] if metrics is None else metrics.stitched_like))
   _enter(states, state_axes, whole, 0, size)  # the scan carries the states at the micro-batch size
-  init = (None if grads_like is None else wide_zeros_like(grads_like), buffers, starts, [jnp.asarray(False)] * len(starts))
-  (grad_sum, (values, samples, stitched), firsts, apart), stacked = brainstate.transform.scan(
-    body, init, jnp.arange(plan.num_micro_batches))
-  restart([s for s, _ in states] + watched, values + firsts)  # the stitched states, the first micro-batch's writes
-  sums = _summed(plan, grad_sum, samples, stitched, stacked, metrics, aux_def[0])
-  return sums._replace(written=Written(tuple(watched), tuple(starts), tuple(apart)))
+  init = (None if grads_like is None else wide_zeros_like(grads_like), buffers)
+  with brainstate.StateTraceStack() as trace:  # (the written states' values before the scan)
+    (grad_sum, (values, samples, stitched)), (*stacked, prints) = brainstate.transform.scan(
+      body, init, jnp.arange(plan.num_micro_batches))
+  restart([s for s, _ in states], values)
+  written = Written(tuple(wrote), values_before(trace, wrote), tuple(jnp.any(p != p[0]) for p in prints))
+  return _summed(plan, grad_sum, samples, stitched, stacked, metrics, aux_def[0])._replace(written=written)
 
 
 def _summed(plan: MicroBatchPlan, grad_sum, samples, stitched, stacked, metrics: Optional[MetricPlan], aux_def) -> Sums:
@@ -300,7 +295,7 @@ def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchP
       sums = accumulate(micro_fn, local_args, axes, plan, batched, params, share_like, report=report)
     if sums.written.states:
       report.report(sums.written._replace(apart=apart_across_devices(sums.written, mesh_axis)),
-                    "what one device's first micro-batch wrote")
+                    "what one device's last micro-batch wrote")
     return sum_across_devices(tuple(sums[:4]), mesh_axis), sums.samples  # the one all-reduce of the call
 
   run = brainstate.transform.shard_map(
@@ -354,7 +349,8 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   states : dict or list of States or of (State, axis) pairs, optional
     The states cut with the batch (a bare State: its ``batch_axis``, else 0). By default, found by tracing
     ``loss_fn`` once: brainpy Variables with a ``batch_axis``, and brainstate ShortTermStates (HiddenStates
-    among them) that hold the batch on axis 0 after the loss. Others (random keys, ...) carry over.
+    among them) that hold the batch on axis 0 after the loss. Random keys carry over; other states the loss
+    writes restart every micro-batch (see Returns).
   mesh : jax.sharding.Mesh, optional
     Data parallelism over the devices of ``mesh_axis`` (D of them): every argument leaf with a batch axis, and
     every batched state, is split along its batch axis into D equal shares (the batch size must be a multiple
@@ -362,9 +358,10 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
     replicated. Each device runs the micro-batches of its share (``num_micro_batch=N``: N per device), then
     one all-reduce adds the devices' sums; the result equals the whole batch's, replicated. Random keys the
     loss draws from are folded with the device index, so devices draw different numbers, and end as one key
-    shared by all. Other states the loss writes (counters, ...) are carried over each device's own
-    micro-batches and must end equal on every device. States the loss creates with the micro-batch on axis 0
-    are stitched from the devices' shares, as without a mesh. ``None`` (default): one device, no all-reduce.
+    shared by all. Other states the loss writes restart every micro-batch of every device (see Returns); where
+    the devices wrote different values, a warning names the state. States the loss creates with the
+    micro-batch on axis 0 are stitched from the devices' shares, as without a mesh. ``None`` (default): one
+    device, no all-reduce.
   mesh_axis : str, optional
     The mesh axis that splits the batch; needed only when ``mesh`` has several axes (the others see the
     batch replicated).
@@ -374,9 +371,13 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   callable
     ``grad_fn(*args)``. Batched states end as one whole-batch call leaves them (each micro-batch starts
     from its own samples), as do states the loss creates with the micro-batch on axis 0
-    (``init_all_states(model, size)``); random keys advance per micro-batch. A loss that writes states
-    needs ``brainstate.transform.jit`` or ``bm.jit`` (raw ``jax.jit`` refuses State writes, as for
-    ``brainstate.transform.grad``).
+    (``init_all_states(model, size)``); random keys advance per micro-batch. Every other state the loss writes
+    (a parameter clipped or masked in the forward pass, a counter, a record) starts every micro-batch from its
+    value at the call and ends as the last micro-batch wrote it: for a write that does not depend on the
+    data, what the whole-batch call writes. Where the micro-batches wrote different values (a write that
+    depends on the data), a warning names the state (``grad_states[...]`` where it is one of them). A loss
+    that writes states needs ``brainstate.transform.jit`` or ``bm.jit`` (raw ``jax.jit`` refuses State
+    writes, as for ``brainstate.transform.grad``).
 
   Raises
   ------

@@ -6,28 +6,27 @@ the step started with, and the gradient is taken through it; the optimizer then 
 Cut into micro-batches, the write made by one micro-batch's forward would be where the next one starts: a
 clipped weight entry at 0 would let the next micro-batch's gradient through ``where(0 < 0, 0, w)``. So::
 
-  starts = values of the written states when the step starts
-  for each micro-batch i:
-    written states <- starts                      # every forward starts where the whole batch's does
-    forward and backward of micro-batch i         # writes them
-    first <- what micro-batch 0 wrote;  apart |= (what micro-batch i wrote != first)
-  written states <- first                          # what every micro-batch, and bp.BPTT, wrote
+  for each micro-batch i of N:
+    forward and backward of micro-batch i          # writes them, from the values the step started with
+    prints[i] <- a print of what it wrote
+    written states <- what it wrote if i = N - 1, else the values it started with
+  apart = any(prints != prints[0])
 
 A write that does not depend on the data (a clip, a mask, a rescaling, a count of time steps) is the same in
 every micro-batch and equals the whole batch's: exact. A write that depends on the data (a Hebbian term, a
 batch statistic, a record of a sample) differs between micro-batches (``apart``): no micro-batch's write is
 the whole batch's in general, so the step reports it and the host warns once per state, naming it, what it
-holds and the fix (:class:`WriteReport`). Random keys are not restarted: each micro-batch draws fresh numbers.
+holds and the fix (:class:`WriteReport`). Random keys are not put back: each micro-batch draws fresh numbers.
 
-The states are found while the micro-batch loop is traced (:func:`written_by`); a first trace that finds
-some is given up and traced again with them (:class:`Unwatched`), so a model that writes none traces once
-and compiles the program it compiled before.
+The states are found as the micro-batch loop is traced, each micro-batch's prints leave the loop stacked,
+and the last micro-batch keeps its writes: nothing needs to be known before the loop, so a model that writes
+no such state traces once and compiles the program it compiled before.
 """
 
 import functools
 import warnings
 import weakref
-from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import brainpy.math as bm
 import brainstate
@@ -37,28 +36,20 @@ import numpy as np
 
 from ._combine import same_type
 
-__all__ = ['Unwatched', 'WriteReport', 'Written', 'apart_across_devices', 'differs', 'fingerprint', 'is_trainable',
-           'restart', 'restarted', 'written_by']
+__all__ = ['WriteReport', 'Written', 'apart_across_devices', 'fingerprint', 'is_trainable', 'kept_last', 'restart',
+           'values_before', 'written_by']
 
 
 class Written(NamedTuple):
   """The states without a batch axis that a step's micro-batches wrote.
 
-  ``states``: the States; ``starts``: their values when the step started, where every micro-batch started;
-  ``apart``: for each, a traced bool, True where the micro-batches wrote different values.
+  ``states``: the States, which hold what the last micro-batch wrote; ``starts``: their values when the step
+  started, where every micro-batch started; ``apart``: for each, a traced bool, True where the micro-batches
+  wrote different values.
   """
   states: Tuple = ()
   starts: Tuple = ()
   apart: Tuple = ()
-
-
-class Unwatched(Exception):
-  """Raised while the micro-batch loop is traced: its micro-batches write ``states`` that it does not restart
-  yet (caught by the loop, which traces again with them)."""
-
-  def __init__(self, states: list):
-    super().__init__(f'{len(states)} states written by a micro-batch')
-    self.states = states
 
 
 def is_trainable(state) -> bool:
@@ -78,35 +69,22 @@ def restart(states: Sequence, values: Sequence) -> None:
     state.value = jax.tree_util.tree_map(same_type, value, state.value)
 
 
-def restarted(call: Callable, watched: Written, skip: set, index, firsts: list):
-  """``call()``, one micro-batch (number ``index``) of the loop: the ``watched`` states first given their
-  ``starts``; after it, the first micro-batch's writes kept in ``firsts`` and ``apart`` set where a later one
-  wrote something else. Returns ``(call's result, firsts, apart)``. Raises :class:`Unwatched` if it wrote other
-  states (``skip``: the ids of those the loop cuts, and of the watched ones)."""
-  restart(watched.states, watched.starts)
-  with brainstate.StateTraceStack() as trace:
-    out = call()
-  unwatched = written_by(trace, skip)
-  if unwatched:
-    trace.recovery_original_values()  # (without jit the micro-batch has run: what it wrote is put back)
-    raise Unwatched(unwatched)
-  later = index > 0
-  written = [s.value for s in watched.states]
-  apart = [a | (later & differs(new, first)) for new, first, a in zip(written, firsts, watched.apart)]
-  firsts = [jax.tree_util.tree_map(lambda n, f: jnp.where(later, f, same_type(n, f)), new, first)
-            for new, first in zip(written, firsts)]
-  return out, firsts, apart
+def kept_last(trace: brainstate.StateTraceStack, skip: set, last) -> Tuple[list, list]:
+  """After one micro-batch, traced in ``trace``: the states without a batch axis that it wrote (``skip``: the ids
+  of the batched ones) and a print of what it wrote to each (:func:`fingerprint`); each is put back to the value
+  it started from, unless ``last`` (the loop's last micro-batch keeps its writes)."""
+  wrote = written_by(trace, skip)
+  prints = [fingerprint(s.value) for s in wrote]
+  for state, start in zip(wrote, values_before(trace, wrote)):
+    state.value = jax.tree_util.tree_map(lambda new, old: same_type(jnp.where(last, new, old), old), state.value,
+                                         start)
+  return wrote, prints
 
 
-def differs(a, b) -> jax.Array:
-  """True where two values of a state differ anywhere (NaN equals NaN: a write of NaN is still the same write)."""
-  def leaf(x, y):
-    same = x == y
-    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-      same = same | (jnp.isnan(x) & jnp.isnan(y))
-    return jnp.any(~same)
-  return functools.reduce(jnp.logical_or, jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, a, b)),
-                          jnp.asarray(False))
+def values_before(trace: brainstate.StateTraceStack, states: Sequence) -> Tuple:
+  """The values that ``states`` had before ``trace`` first saw them."""
+  before = dict(zip(map(id, trace.states), trace.original_state_values))
+  return tuple(before[id(s)] for s in states)
 
 
 def _mix(h):
@@ -119,24 +97,30 @@ def _mix(h):
 
 
 def _bits(x) -> jax.Array:
-  """The bits of every element of ``x`` as uint32 words (64-bit elements give two)."""
+  """The bits of every element of ``x`` as uint32 words (an element of 64 bits or more gives several)."""
   x = jnp.asarray(x)
   if x.dtype == jnp.bool_:
     return x.astype(jnp.uint32).ravel()
-  width = x.dtype.itemsize * 8
-  unsigned = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint32}[min(width, 64)]
-  if width == 64 or jnp.issubdtype(x.dtype, jnp.complexfloating):
+  if x.dtype.itemsize >= 4:
     return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
-  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
+  return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize]).astype(jnp.uint32).ravel()
 
 
 def fingerprint(value) -> jax.Array:
-  """A uint32 of every bit of ``value`` (a pytree) and its position: equal values give equal prints in any
-  program (integer sums do not depend on their order), different ones differ but for one chance in 2**32."""
+  """A uint32 of every bit of ``value`` (a pytree) and its place: equal values give equal prints in any program
+  (sums of integers do not depend on their order), different ones differ but for one chance in 2**32.
+
+  Examples
+  --------
+  >>> import jax.numpy as jnp
+  >>> w = jnp.asarray([0.5, -0.3, 0.2])
+  >>> bool(fingerprint(w) == fingerprint(jnp.where(w < 2, w, 0.))), bool(fingerprint(w) == fingerprint(w[::-1]))
+  (True, False)
+  """
   total = jnp.zeros((), jnp.uint32)
   for i, leaf in enumerate(jax.tree_util.tree_leaves(value)):
     bits = _bits(leaf)
-    salt = jnp.arange(bits.size, dtype=jnp.uint32) * np.uint32(0x9E3779B9) + np.uint32(i * 0x632BE5AB)
+    salt = jnp.arange(bits.size, dtype=jnp.uint32) * np.uint32(0x9E3779B9) + np.uint32((i * 0x632BE5AB) % 2 ** 32)
     total = total + jnp.sum(_mix(bits ^ _mix(salt)), dtype=jnp.uint32)
   return _mix(total)
 
@@ -192,6 +176,6 @@ def _message(name: str, trainable: bool, holds: str) -> str:
   return (f'Model state {name} has no batch axis, and the forward pass writes it with values that depend on the '
           f'samples (they differed between micro-batches: a record of a sample, a batch statistic, a sum over '
           f'samples). After the step it holds {holds}; a whole-batch step (bp.BPTT) leaves what the whole batch '
-          f'writes, the same only where the write reads the first samples alone (a record of sample 0). If it '
-          f'holds one value per sample, give it a batch axis (bm.Variable(..., batch_axis=0)); for a batch '
-          f'statistic use num_micro_batch=1, or compute it outside the training step.')
+          f'writes, the same only where the write reads the last samples alone (a record of the last sample, not '
+          f'of sample 0). If it holds one value per sample, give it a batch axis (bm.Variable(..., batch_axis=0)); '
+          f'for a batch statistic use num_micro_batch=1, or compute it outside the training step.')

@@ -27,13 +27,13 @@ from ..core._cut import MicroBatchPlan
 from ..core._metrics import MetricPlan, across_devices, finish_metrics, summed_leaves
 from ..core._written import WriteReport, Written, apart_across_devices
 
-__all__ = ['WINDOW_HOLDS', 'Settled', 'all_finite', 'batch_sums', 'clip_by_global_norm', 'guarded_update', 'micro_step', 'same', 'settle',
-           'settle_writes']
+__all__ = ['WINDOW_HOLDS', 'Settled', 'all_finite', 'batch_sums', 'clip_by_global_norm', 'guarded_update', 'micro_step',
+           'same', 'settle', 'settle_writes']
 
 
 # what a Variable without a batch axis holds after a step where its writes differed, when batches (accumulate_steps,
 # streamed chunks) or devices share an update: the batches before the last put it back (settle_writes)
-WINDOW_HOLDS = ("what the first micro-batch of the batch that closes each update wrote (on a mesh, of one device's "
+WINDOW_HOLDS = ("what the last micro-batch of the batch that closes each update wrote (on a mesh, of one device's "
                 "share)")
 
 
