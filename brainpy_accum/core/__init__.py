@@ -2,8 +2,9 @@
 
 ``accumulate`` runs one ``scan`` over the micro-batches and returns weighted sums; ``micro_batched_grad`` is
 the functional front door built on it. The rest are its parts: the cut (``_cut``), batch axes and slicing
-(``_batch``), the weighted sums and their division (``_combine``), model states (``_states``), the device mesh
-(``_mesh``) and the two passes of a loss of the whole batch (``_two_pass``).
+(``_batch``), the weighted sums and their division (``_combine``), model states (``_states``), states written
+without a batch axis (``_written``), the device mesh (``_mesh``) and the two passes of a loss of the whole batch
+(``_two_pass``).
 """
 
 from ._accumulate import MicroResult as MicroResult

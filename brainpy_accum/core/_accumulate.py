@@ -21,6 +21,7 @@ from ._cut import MicroBatchPlan, as_int, check_cut, is_int, plan_micro_batches
 from ._metrics import MetricPlan, join_metrics, split_metrics, stacked_partials, stitched_axes
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
+from ._written import WriteReport, Written, apart_across_devices, kept_last, restart, values_before, written_by
 
 __all__ = ['MicroResult', 'Sums', 'accumulate', 'micro_batched_grad']
 
@@ -38,7 +39,9 @@ class Sums(NamedTuple):
   """Weighted sums over the micro-batches of one batch, before division; ``samples`` stitched to the batch.
 
   With a :class:`~brainpy_accum.core._metrics.MetricPlan`, ``aux_sum`` holds each metric's partial combination
-  (stitched leaves whole) and ``count`` the samples, for means by sample count.
+  (stitched leaves whole) and ``count`` the samples, for means by sample count. ``written``: the states without
+  a batch axis that the micro-batches wrote (:mod:`~brainpy_accum.core._written`), which every micro-batch
+  started from their values in ``written.starts``.
   """
   grad_sum: Any
   total_weight: Any
@@ -46,24 +49,28 @@ class Sums(NamedTuple):
   aux_sum: Any
   samples: Any
   count: Any = None
+  written: Optional[Written] = None
 
 
 def _axes_like(tree, axis):
   return jax.tree_util.tree_map(lambda _: axis, tree, is_leaf=is_array)
 
 
-def _one_batch(micro_fn, args, plan: MicroBatchPlan, grads_like, metrics: Optional[MetricPlan]) -> Sums:
-  out = micro_fn(args, plan.batch_size)
+def _one_batch(micro_fn, args, plan: MicroBatchPlan, grads_like, metrics: Optional[MetricPlan], skip: set) -> Sums:
+  with brainstate.StateTraceStack() as trace:  # which states without a batch axis it writes, and their starts
+    out = micro_fn(args, plan.batch_size)
+  wrote = written_by(trace, skip)
+  written = Written(tuple(wrote), values_before(trace, wrote), (jnp.asarray(False),) * len(wrote))
   grad_sum = None if grads_like is None else add_scaled(wide_zeros_like(grads_like), out.weight, out.grads)
   if metrics is None:
     values = jax.tree_util.tree_map(lambda v: v[None], (out.loss, out.aux))
-    return Sums(grad_sum, out.weight, *sum_values(values, out.weight[None], 'mean'), out.samples)
+    return Sums(grad_sum, out.weight, *sum_values(values, out.weight[None], 'mean'), out.samples, written=written)
   (loss_sum,) = sum_values((out.loss[None],), out.weight[None], 'mean')
   reduced, stitched = split_metrics(out.aux, metrics.rules)
   partial = stacked_partials([v[None] for v in reduced], metrics.rules, out.weight[None],
                              jnp.full((1,), plan.batch_size, jnp.float32), metrics.mean_by_weight)
   aux = join_metrics(jax.tree_util.tree_structure(out.aux), metrics.rules, partial, stitched)
-  return Sums(grad_sum, out.weight, loss_sum, aux, out.samples, jnp.asarray(plan.batch_size, jnp.float32))
+  return Sums(grad_sum, out.weight, loss_sum, aux, out.samples, jnp.asarray(plan.batch_size, jnp.float32), written)
 
 
 def _cut(leaves, treedef, axes, start, size: int):
@@ -98,7 +105,8 @@ def _full_only(_, run_full, run_short, *operands):
 
 def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], plan: MicroBatchPlan,
                states: Sequence = (), grads_like: Any = None, samples_like: Any = None,
-               sample_axes: Optional[Sequence[Optional[int]]] = None, metrics: Optional[MetricPlan] = None) -> Sums:
+               sample_axes: Optional[Sequence[Optional[int]]] = None, metrics: Optional[MetricPlan] = None,
+               report: Optional[WriteReport] = None) -> Sums:
   """Run ``micro_fn(micro_args, size) -> MicroResult`` on every micro-batch of ``plan``; return the weighted sums.
 
   ``axes``: the batch axis of each leaf of ``args`` (``None``: passed whole). ``states``: ``(State, axis)``
@@ -109,14 +117,34 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
   micro-batch is a ``cond`` branch of it, so it shares the full micro-batches' working memory.
   ``metrics``: how each metric leaf combines (``None``: all as weighted means, like the loss); per-sample
   metrics are stitched into whole-batch buffers like ``samples``.
+
+  Other states that ``micro_fn`` writes (random keys aside) start every micro-batch from their values at the
+  call and end as the last micro-batch wrote them (:mod:`~brainpy_accum.core._written`); ``report`` warns of
+  those whose writes differed between micro-batches (default: naming them by type and shape).
   """
+  skip = {id(s) for s, _ in states}
   if plan.num_micro_batches == 1:
-    return _one_batch(micro_fn, args, plan, grads_like, metrics)
+    return _one_batch(micro_fn, args, plan, grads_like, metrics, skip)
+  whole = [s.value for s, _ in states]
+  sums = _scanned(micro_fn, args, axes, plan, states, whole, grads_like, samples_like, sample_axes, metrics)
+  holds = f'what the last micro-batch (the last {plan.sizes[-1]} of {plan.batch_size} samples) wrote'
+  (report or _ANONYMOUS).report(sums.written, holds)
+  return sums
+
+
+_ANONYMOUS = WriteReport()  # names states by their type and shape
+
+
+def _scanned(micro_fn, args, axes, plan: MicroBatchPlan, states, whole: list, grads_like, samples_like, sample_axes,
+             metrics: Optional[MetricPlan]) -> Sums:
+  """:func:`accumulate`'s scan, the ``states`` set from their ``whole`` values. The states without a batch axis
+  that a micro-batch writes are found as the body is traced (``wrote``); each micro-batch starts from their
+  values now, and the last keeps its writes (:func:`~brainpy_accum.core._written.kept_last`)."""
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
-  state_axes = [_axes_like(s.value, a) for s, a in states]
+  state_axes = [_axes_like(value, a) for value, (_, a) in zip(whole, states)]
   sample_axes = [0] * len(jax.tree_util.tree_leaves(samples_like)) if sample_axes is None else sample_axes
   size, num_full = plan.micro_batch_size, plan.num_full
-  aux_def = []  # the metrics' structure, seen while tracing
+  aux_def, wrote = [], []  # the metrics' structure and the states written without a batch axis, seen while tracing
 
   def run(start, n, buffers):
     _enter(states, state_axes, buffers[0], start, n)
@@ -139,19 +167,22 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
 
   def body(carry, index):
     grad_sum, buffers = carry
-    branch = brainstate.transform.cond if plan.remainder else _full_only
-    out, buffers = branch(index < num_full, run_full, run_short, index, buffers)
+    with brainstate.StateTraceStack() as trace:
+      branch = brainstate.transform.cond if plan.remainder else _full_only
+      out, buffers = branch(index < num_full, run_full, run_short, index, buffers)
+    wrote[:], prints = kept_last(trace, {id(s) for s, _ in states}, index == plan.num_micro_batches - 1)
     grad_sum = None if grad_sum is None else add_scaled(grad_sum, out.weight, out.grads)
-    return (grad_sum, buffers), (out.loss, out.aux, out.weight)
+    return (grad_sum, buffers), (out.loss, out.aux, out.weight, prints)
 
-  buffers = ([s.value for s, _ in states], _zeros(samples_like), _zeros([] if metrics is None else metrics.stitched_like))
-  _enter(states, state_axes, buffers[0], 0, size)  # the scan carries the states at the micro-batch size
+  buffers = (whole, _zeros(samples_like), _zeros([] if metrics is None else metrics.stitched_like))
+  _enter(states, state_axes, whole, 0, size)  # the scan carries the states at the micro-batch size
   init = (None if grads_like is None else wide_zeros_like(grads_like), buffers)
-  (grad_sum, (values, samples, stitched)), stacked = brainstate.transform.scan(
-    body, init, jnp.arange(plan.num_micro_batches))
-  for (state, _), value in zip(states, values):
-    state.value = value
-  return _summed(plan, grad_sum, samples, stitched, stacked, metrics, aux_def[0])
+  with brainstate.StateTraceStack() as trace:  # (the written states' values before the scan)
+    (grad_sum, (values, samples, stitched)), (*stacked, prints) = brainstate.transform.scan(
+      body, init, jnp.arange(plan.num_micro_batches))
+  restart([s for s, _ in states], values)
+  written = Written(tuple(wrote), values_before(trace, wrote), tuple(jnp.any(p != p[0]) for p in prints))
+  return _summed(plan, grad_sum, samples, stitched, stacked, metrics, aux_def[0])._replace(written=written)
 
 
 def _summed(plan: MicroBatchPlan, grad_sum, samples, stitched, stacked, metrics: Optional[MetricPlan], aux_def) -> Sums:
@@ -245,9 +276,10 @@ def _check_mesh_option(mesh, mesh_axis) -> Optional[str]:
 
 
 def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchPlan, batched, tree, samples_like,
-             randoms) -> Sums:
+             randoms, report: WriteReport) -> Sums:
   """:func:`accumulate` on each device's share of the batch (``plan``: one share's micro-batches), then the
-  devices' sums added by one all-reduce. Batched states are split like the arguments; others are replicated."""
+  devices' sums added by one all-reduce. Batched states are split like the arguments; others are replicated
+  (states written without a batch axis: ``report`` hears where the devices wrote different values)."""
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
   # Arrays enter the shards (split or replicated); Python numbers passed whole reach the loss as they are.
   static = [a is None and not hasattr(x, 'shape') for x, a in zip(leaves, axes)]
@@ -260,7 +292,10 @@ def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchP
     local_args = treedef.unflatten([x if s else next(mapped) for x, s in zip(leaves, static)])
     params = jax.tree_util.tree_map(lambda s: s.value, tree, is_leaf=is_state)
     with per_device_random(randoms, mesh_axis):
-      sums = accumulate(micro_fn, local_args, axes, plan, batched, params, share_like)
+      sums = accumulate(micro_fn, local_args, axes, plan, batched, params, share_like, report=report)
+    if sums.written.states:
+      report.report(sums.written._replace(apart=apart_across_devices(sums.written, mesh_axis)),
+                    "what one device's last micro-batch wrote")
     return sum_across_devices(tuple(sums[:4]), mesh_axis), sums.samples  # the one all-reduce of the call
 
   run = brainstate.transform.shard_map(
@@ -314,7 +349,8 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   states : dict or list of States or of (State, axis) pairs, optional
     The states cut with the batch (a bare State: its ``batch_axis``, else 0). By default, found by tracing
     ``loss_fn`` once: brainpy Variables with a ``batch_axis``, and brainstate ShortTermStates (HiddenStates
-    among them) that hold the batch on axis 0 after the loss. Others (random keys, ...) carry over.
+    among them) that hold the batch on axis 0 after the loss. Random keys carry over; other states the loss
+    writes restart every micro-batch (see Returns).
   mesh : jax.sharding.Mesh, optional
     Data parallelism over the devices of ``mesh_axis`` (D of them): every argument leaf with a batch axis, and
     every batched state, is split along its batch axis into D equal shares (the batch size must be a multiple
@@ -322,9 +358,10 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
     replicated. Each device runs the micro-batches of its share (``num_micro_batch=N``: N per device), then
     one all-reduce adds the devices' sums; the result equals the whole batch's, replicated. Random keys the
     loss draws from are folded with the device index, so devices draw different numbers, and end as one key
-    shared by all. Other states the loss writes (counters, ...) are carried over each device's own
-    micro-batches and must end equal on every device. States the loss creates with the micro-batch on axis 0
-    are stitched from the devices' shares, as without a mesh. ``None`` (default): one device, no all-reduce.
+    shared by all. Other states the loss writes restart every micro-batch of every device (see Returns); where
+    the devices wrote different values, a warning names the state. States the loss creates with the
+    micro-batch on axis 0 are stitched from the devices' shares, as without a mesh. ``None`` (default): one
+    device, no all-reduce.
   mesh_axis : str, optional
     The mesh axis that splits the batch; needed only when ``mesh`` has several axes (the others see the
     batch replicated).
@@ -334,9 +371,13 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   callable
     ``grad_fn(*args)``. Batched states end as one whole-batch call leaves them (each micro-batch starts
     from its own samples), as do states the loss creates with the micro-batch on axis 0
-    (``init_all_states(model, size)``); random keys advance per micro-batch. A loss that writes states
-    needs ``brainstate.transform.jit`` or ``bm.jit`` (raw ``jax.jit`` refuses State writes, as for
-    ``brainstate.transform.grad``).
+    (``init_all_states(model, size)``); random keys advance per micro-batch. Every other state the loss writes
+    (a parameter clipped or masked in the forward pass, a counter, a record) starts every micro-batch from its
+    value at the call and ends as the last micro-batch wrote it: for a write that does not depend on the
+    data, what the whole-batch call writes. Where the micro-batches wrote different values (a write that
+    depends on the data), a warning names the state (``grad_states[...]`` where it is one of them). A loss
+    that writes states needs ``brainstate.transform.jit`` or ``bm.jit`` (raw ``jax.jit`` refuses State
+    writes, as for ``brainstate.transform.grad``).
 
   Raises
   ------
@@ -376,6 +417,8 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   grad_ids = {id(s) for s in jax.tree_util.tree_leaves(grad_states, is_leaf=is_state)}
   tree = dict(grad_states) if isinstance(grad_states, dict) else grad_states  # as brainstate shapes the grads
   weigh = functools.partial(_weigh, grad_reduction, loss_weight_fn)
+  report = WriteReport({id(s): f'grad_states{jax.tree_util.keystr(path)}' for path, s in
+                        jax.tree_util.tree_flatten_with_path(grad_states, is_leaf=is_state)[0]})
 
   def grad_fn(*args):
     axes, batch = _leaf_axes(args, batch_axis)
@@ -389,7 +432,7 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
       created = log[-1]
     else:
       sums, keep = _sums(loss_and_new, grad_states, named, grad_ids, weigh, args, axes, plan, batch, params, tree,
-                         mesh, mesh_axis)
+                         mesh, mesh_axis, report)
       grads = finish_grads(sums.grad_sum, sums.total_weight, grad_reduction, params)
       loss, aux = finish_values((sums.loss_sum, sums.aux_sum), sums.total_weight, grad_reduction)
       samples, created = sums.samples, [log[-1][i] for i in keep]
@@ -413,14 +456,14 @@ def _weigh(grad_reduction: str, loss_weight_fn: Optional[Callable], micro_args, 
 
 
 def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, args, axes, plan: MicroBatchPlan, batch: int,
-          params, tree, mesh: Optional[Mesh], mesh_axis: Optional[str]) -> Tuple[Sums, list]:
+          params, tree, mesh: Optional[Mesh], mesh_axis: Optional[str], report: WriteReport) -> Tuple[Sums, list]:
   """:func:`micro_batched_grad`'s sums of a batch of several micro-batches (on ``mesh``: of every device's share,
   added), and which of the States the loss creates hold the batch (``keep``)."""
   if mesh is None:
     batched, keep, samples_like = prepare_states(named, loss_and_new, args, batch, grad_ids, weigh)
     with declared_batch_axes(batched):
       return accumulate(_micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched, params,
-                        samples_like), keep
+                        samples_like, report=report), keep
   touched = []
   batched, keep, samples_like = prepare_states(named, _recording(loss_and_new, touched), args, batch, grad_ids, weigh)
   cut = {id(s) for s, _ in batched}
@@ -428,4 +471,4 @@ def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, args, axes, pl
                   if isinstance(s, brainstate.random.RandomState) and id(s) not in cut}.values())
   with declared_batch_axes(batched):
     return _on_mesh(mesh, mesh_axis, _micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched,
-                    tree, samples_like, randoms), keep
+                    tree, samples_like, randoms, report), keep

@@ -1,5 +1,7 @@
 """Data parallelism over a :class:`jax.sharding.Mesh`: which axis holds the batch, how leaves are split,
-and how the devices' partial sums are combined.
+how the devices' partial sums are combined, and the step of
+:mod:`~brainpy_accum.trainer._step` on a mesh (:func:`on_mesh`: its two functions inside ``shard_map``, with
+one ``psum``; parameters and optimizer state replicated, model states and the window's rows split).
 
 Each device runs the whole micro-batch loop on its own share of the batch and
 keeps its gradient sums local; the shares are added with one ``psum`` per
@@ -9,15 +11,20 @@ The partitioning itself is JAX's: :func:`brainstate.transform.shard_map`
 """
 
 import contextlib
-from typing import Any, Optional
+import functools
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import brainpy.math as bm
 import brainstate
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ._batch import is_array
+from ._states import batched_variables
+
 __all__ = ['check_mesh', 'auto_axes', 'mesh_size', 'check_divisible', 'batch_spec', 'sum_across_devices',
-           'random_states', 'per_device_random', 'place']
+           'random_states', 'per_device_random', 'place', 'on_mesh', 'split_variables']
 
 
 def check_mesh(mesh, mesh_axis) -> Optional[str]:
@@ -137,3 +144,35 @@ def _to_sharding(value, sharding: NamedSharding):
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
   host = np.asarray(value)
   return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def on_mesh(sums_of: Callable, settle: Callable, mesh: Mesh, axis: str, args: tuple, arg_axes: Sequence[int],
+            state_specs: dict, random: list):
+  """``settle(sums_of(share), across)`` on every device's share of ``args``; the result is replicated.
+
+  ``arg_axes``: the batch axis of each leaf of ``args``; ``state_specs``: ``{Variable: PartitionSpec}`` of
+  the Variables split over the mesh (others are replicated); ``random``: the random states each device
+  folds with its index while it computes its sums (:func:`~brainpy_accum.core._mesh.per_device_random`).
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+  across = functools.partial(sum_across_devices, mesh_axis=axis)
+
+  def local(*local_leaves):
+    with per_device_random(random, axis):
+      sums = sums_of(jax.tree_util.tree_unflatten(treedef, local_leaves))
+    return settle(sums, across, axis)
+
+  run = brainstate.transform.shard_map(
+    local, mesh, in_specs=tuple(batch_spec(a, axis) for a in arg_axes), out_specs=PartitionSpec(),
+    state_in_specs=state_specs, state_out_specs=state_specs, check_vma=False)
+  return run(*[bm.as_jax(x) for x in leaves])
+
+
+def split_variables(model, window, mesh_axis: str, batch_size: Optional[int] = None) -> List[Tuple[bm.Variable, PartitionSpec]]:
+  """``(Variable, partition)`` of every Variable split over the mesh: ``model``'s states along their batch axis
+  and the rows of ``window`` (the ``accumulate_steps`` window, or ``None``) one per device. All others are
+  replicated."""
+  split = [(var, batch_spec(state_axis, mesh_axis)) for var, state_axis in batched_variables(model, batch_size).values()]
+  if window is not None:
+    split += [(var, batch_spec(0, mesh_axis)) for var in window.variables().values()]
+  return split

@@ -11,8 +11,10 @@ traced (not run) on the whole batch:
   (see :func:`implicit_batch_axis`);
 - a brainstate ``ShortTermState`` (``HiddenState`` is one) whose every leaf holds the batch on axis 0 once the
   whole-batch loss has run: cut on axis 0;
-- any other state (parameters, random keys, counters, states without the batch): carried from one
-  micro-batch to the next, so each micro-batch updates it in turn where a whole-batch run updates it once.
+- random keys: carried from one micro-batch to the next, so each draws fresh numbers;
+- any other state the loss writes (a parameter clipped in the forward pass, a counter, a record without the
+  batch): every micro-batch starts from its value before the batch, and it ends as the last micro-batch wrote
+  it (:mod:`~brainpy_accum.core._written`).
 
 A cut state that holds one sample, or none, on its batch axis (``model.reset(1)``, ``init_all_states(model)``)
 is broadcast to the batch first, as the whole-batch run broadcasts it. A state the loss creates itself

@@ -29,6 +29,7 @@ from ._cut import MicroBatchPlan
 from ._metrics import MetricPlan
 from ._shapes import second_sizes, traced_shapes
 from ._states import restore_values, values_of
+from ._written import WriteReport, restart
 
 __all__ = ['Devices', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes', 'pull_back',
            'second_sizes', 'traced_shapes', 'two_pass_sums', 'whole_batch_like']
@@ -61,11 +62,12 @@ def whole_batch_like(shapes, axes: Sequence[Optional[int]], batch_size: int):
 
 def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states, outputs_like,
                     out_axes, micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None,
-                    metrics: Optional[MetricPlan] = None):
+                    metrics: Optional[MetricPlan] = None, report: Optional[WriteReport] = None):
   """Pass 1: every micro-batch forward, without gradients; returns the core's ``Sums`` whose ``samples`` are
   the whole batch's outputs. With ``micro_loss(outputs, micro_args) -> (loss, aux)`` and ``weigh`` (the
   default mode's check, which holds the whole outputs already), the sums hold each micro-batch's own loss and
-  metrics instead (weighted; ``metrics``: each by its rule), and no outputs."""
+  metrics instead (weighted; ``metrics``: each by its rule), and no outputs. ``report``: as for
+  :func:`~brainpy_accum.core.accumulate`."""
 
   def micro_fn(micro_args, size):
     outputs = jax.lax.stop_gradient(forward(micro_args, size))
@@ -76,7 +78,7 @@ def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, 
 
   if micro_loss is not None:
     outputs_like = out_axes = None
-  return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes, metrics)
+  return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes, metrics, report)
 
 
 def loss_and_cotangents(loss_of: Callable, outputs) -> Tuple[Any, Any, Any]:
@@ -87,13 +89,14 @@ def loss_and_cotangents(loss_of: Callable, outputs) -> Tuple[Any, Any, Any]:
 
 
 def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroBatchPlan, states, cotangents,
-              out_axes, grads_like, whole_share: float = 1.):
+              out_axes, grads_like, whole_share: float = 1., report: Optional[WriteReport] = None):
   """Pass 2: every micro-batch forward and backward, pulling back its slice of ``cotangents``.
 
   ``grad(fn)(micro_args) -> grads`` differentiates the scalar ``fn(micro_args)`` with respect to the
   parameters. Outputs without a batch axis (a monitored parameter, ...) are the last micro-batch's in pass 1,
   so their cotangent is pulled back through the last micro-batch only (times ``whole_share``: ``1 / D`` when
-  each of D devices pulls it back). Returns the summed gradient (accumulator precision), the whole batch's.
+  each of D devices pulls it back). Returns the summed gradient (accumulator precision), the whole batch's, and
+  the states the micro-batches wrote (:class:`~brainpy_accum.core._written.Written`).
   """
   cot_leaves, cot_def = jax.tree_util.tree_flatten(cotangents)
   whole = [a is None for a in out_axes]
@@ -115,13 +118,13 @@ def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroB
     return MicroResult(grads, jnp.zeros((), jnp.float32), {}, one)
 
   sums = accumulate(micro_fn, tuple(args) + (cot_def.unflatten(cot_leaves), last), list(axes) + list(out_axes) + [0],
-                    plan, states, grads_like)
-  return sums.grad_sum
+                    plan, states, grads_like, report=report)
+  return sums.grad_sum, sums.written
 
 
 def forward_pass(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states,
                  micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None,
-                 metrics_of: Optional[Callable] = None):
+                 metrics_of: Optional[Callable] = None, report: Optional[WriteReport] = None):
   """Pass 1 from the ``states``' whole-batch values, the outputs' batch axes traced first.
 
   Returns :func:`forward_outputs`' sums (``samples``: the whole batch's outputs, without ``micro_loss``) and the
@@ -134,7 +137,8 @@ def forward_pass(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, sta
   out_axes = output_axes(small, large)
   outputs_like = whole_batch_like(small, out_axes, plan.batch_size)
   metrics = None if metrics_of is None else metrics_of(small, large, sizes)
-  sums = forward_outputs(forward, args, axes, plan, states, outputs_like, out_axes, micro_loss, weigh, metrics)
+  sums = forward_outputs(forward, args, axes, plan, states, outputs_like, out_axes, micro_loss, weigh, metrics,
+                         report)
   return (sums, out_axes) if metrics_of is None else (sums, out_axes, metrics)
 
 
@@ -160,7 +164,8 @@ def own_share(cotangents, out_axes, share: int, devices: Devices):
 
 
 def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], replayed: Sequence, args: tuple,
-                  axes, plan: MicroBatchPlan, states, devices: Optional[Devices] = None) -> Sums:
+                  axes, plan: MicroBatchPlan, states, devices: Optional[Devices] = None,
+                  report: Optional[WriteReport] = None) -> Sums:
   """The whole step: pass 1, ``loss_of(outputs) -> (loss, aux)`` once, pass 2: the gradient with respect to
   the Variables ``params`` (``None``: no pass 2).
 
@@ -169,20 +174,22 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   (inside ``shard_map``, ``args`` this device's share) the outputs are gathered, every device evaluates the
   loss of the whole batch, pulls back its own share of the loss gradient, and returns weight ``1 / D``, so
   that the one sum over devices that follows gives the whole batch's gradient and loss; the metrics are the
-  whole batch's on every device, taken as they are.
+  whole batch's on every device, taken as they are. ``report``: as for :func:`~brainpy_accum.core.accumulate`.
   """
   before = values_of(replayed)
-  sums, out_axes = forward_pass(forward, args, axes, plan, states)
+  sums, out_axes = forward_pass(forward, args, axes, plan, states, report=report)
   outputs = sums.samples if devices is None else gather_outputs(sums.samples, out_axes, devices)
   loss, aux, cotangents = loss_and_cotangents(loss_of, outputs)
   weight = 1. if devices is None else 1. / devices.count
   loss = loss * weight if devices is not None else loss  # the metrics stay the whole batch's, equal on every device
   if params is None:
-    return Sums(None, weight, loss, aux, None)
-  restore_values(replayed, before)  # pass 2 starts where pass 1 started: same states, same random keys
+    return Sums(None, weight, loss, aux, None, written=sums.written)
+  restore_values(replayed, before)  # pass 2 starts where pass 1 started: same states, same random keys,
+  restart(sums.written.states, sums.written.starts)  # the same parameters (a write in the forward pass)
   if devices is not None:
     cotangents = own_share(cotangents, out_axes, plan.batch_size, devices)
   grad = lambda f: lambda *a: {k: bm.as_jax(g) for k, g in bm.grad(f, grad_vars=params)(*a).items()}
-  grads = pull_back(forward, grad, args, axes, plan, states, cotangents, out_axes,
-                    {k: v.value for k, v in params.items()}, 1. if devices is None else 1. / devices.count)
-  return Sums(grads, weight, loss, aux, None)
+  grads, written = pull_back(forward, grad, args, axes, plan, states, cotangents, out_axes,
+                             {k: v.value for k, v in params.items()}, 1. if devices is None else 1. / devices.count,
+                             report)
+  return Sums(grads, weight, loss, aux, None, written=written)

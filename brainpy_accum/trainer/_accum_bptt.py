@@ -36,7 +36,7 @@ from ._coupled_loss import CheckParts, FirstBatchCheck
 from ._feed import prefetch_bytes, sends_ahead
 from ._fit_loop import FitLoop, LoopOptions, LoopSettings, LoopView, TrainerHooks
 from ._model_loss import BPTTFunctions, ModelLoss
-from ..core._sharded import split_variables
+from ..core._mesh import split_variables
 from ..core._target_axes import TargetAxes
 from ._window import GradWindow, check_accumulate_steps
 
@@ -261,8 +261,8 @@ class AccumBPTT(bp.BPTT):
     streams = self.num_micro_batch == 'auto' and self.mesh is None and not self.whole_batch_loss
     devices = 1 if self.mesh is None else mesh_size(self.mesh, self.mesh_axis)  # a batch is split over them
     needs_window = self.accumulate_steps != 1 or streams  # sums between steps
-    self._window = GradWindow(self.target.train_vars().unique(), None if self.mesh is None else devices) \
-        if needs_window else None
+    self._window = GradWindow(self.target.train_vars().unique(), None if self.mesh is None else devices,
+                              self._variables()) if needs_window else None
     return devices, streams
 
   def __repr__(self):

@@ -131,9 +131,9 @@ def warn_batch_statistics(model) -> None:
   kinds = sorted({type(node).__name__ for node in model.nodes().unique().values() if 'BatchNorm' in type(node).__name__})
   if kinds:
     warnings.warn(f'{type(model).__name__} has batch-statistics layers ({", ".join(kinds)}): under micro-batching '
-                  f'they normalise each micro-batch with its own statistics and update their running averages once '
-                  f'per micro-batch, so training is not equivalent to whole-batch bp.BPTT. Use num_micro_batch=1 '
-                  f'with accumulate_steps, or layers without batch statistics (e.g. LayerNorm), for exact results.',
+                  f'they normalise each micro-batch with its own statistics, and their running averages keep one '
+                  f'micro-batch\'s update, so training is not equivalent to whole-batch bp.BPTT. Use num_micro_batch=1 '
+                  f'(and accumulate_steps=1), or layers without batch statistics (e.g. LayerNorm), for exact results.',
                   UserWarning, stacklevel=3)
 
 

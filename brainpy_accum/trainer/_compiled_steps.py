@@ -27,12 +27,13 @@ from ..core._mesh import random_states
 from ..core._shapes import traced_shapes
 from ..core._states import whole_batch_variables
 from ..core._two_pass import Devices, two_pass_sums
+from ..core._written import WriteReport
 from ..diagnostics._compiles import QUICK_COMPILE
 from ..memory._budget import StepMemory, step_memory
 from ..memory._live import temp_bytes_at_least
 from ..memory._planner import Compilers, PlannedStep
-from ..core._sharded import on_mesh, split_variables
-from ._step import Settled, batch_sums, clip_by_global_norm, guarded_update, micro_step, same, settle
+from ..core._mesh import on_mesh, split_variables
+from ._step import WINDOW_HOLDS, Settled, batch_sums, clip_by_global_norm, guarded_update, micro_step, same, settle
 
 __all__ = ['CompiledSteps', 'StepOptions', 'StepParts', 'fit_args']
 
@@ -99,6 +100,9 @@ class CompiledSteps:
     self.metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
     self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
     self.found_reductions: Dict[str, str] = {}  # undeclared scalar metrics' reductions, found by the loss check
+    # warns of Variables without a batch axis that the micro-batches wrote differently, by their names in the model
+    self.writes = WriteReport({id(v): k for k, v in parts.model.vars().unique().items()},
+                              None if parts.window is None and options.mesh is None else WINDOW_HOLDS)
     self.planner = None  # the plans its steps are traced with (:meth:`attach`)
     self.rebuild()
 
@@ -191,9 +195,9 @@ class CompiledSteps:
       metrics = WHOLE_METRICS if whole else self._metric_plan(shared_args, (inputs, targets), axes, plan, states)
       sums_of = functools.partial(batch_sums, micro_step(parts.loss_and_aux, shared_args, params, parts.weigh),
                                   axes=axes, plan=plan, states=states, params=params, alone=alone,
-                                  two_passes=two_passes, metrics=metrics)
+                                  two_passes=two_passes, metrics=metrics, report=self.writes)
       finish = functools.partial(settle, reduction=options.grad_reduction, skip_nonfinite=options.skip_nonfinite
-                                 and with_grads, window=window, update=update, metrics=metrics)
+                                 and with_grads, window=window, update=update, metrics=metrics, report=self.writes)
       if options.mesh is None:
         return finish(sums_of((inputs, targets)), same)
       specs = dict(split_variables(parts.model, window, options.mesh_axis, layout.batch_size))
@@ -240,7 +244,8 @@ class CompiledSteps:
     replayed += [v for v in random_states(model) if all(v is not r for r in replayed)]
     devices = None if self.options.mesh is None else Devices(self.options.mesh_axis, self.options.devices)
     return functools.partial(two_pass_sums, self.parts.forward(shared_args),
-                             lambda p: self.parts.loss_of(p, targets), params, replayed, devices=devices)
+                             lambda p: self.parts.loss_of(p, targets), params, replayed, devices=devices,
+                             report=self.writes)
 
   # ------------------------------------------------------------------ compiled ahead of time
 

@@ -10,7 +10,7 @@ two-pass mode, is the same two functions:
    locally) and either finishes the batch (divides), or adds it to the window and, at an update, closes
    the window.
 
-A mesh only wraps the pair in ``shard_map`` (:mod:`~brainpy_accum.trainer._sharded`). What :func:`settle` returns is applied by
+A mesh only wraps the pair in ``shard_map`` (:func:`~brainpy_accum.core._mesh.on_mesh`). What :func:`settle` returns is applied by
 the trainer outside, once per optimizer update: :func:`clip_by_global_norm`, then :func:`guarded_update` (the
 non-finite guard).
 """
@@ -25,8 +25,16 @@ from ..core._accumulate import MicroResult, Sums, accumulate
 from ..core._combine import finish_grads, finish_values, same_type
 from ..core._cut import MicroBatchPlan
 from ..core._metrics import MetricPlan, across_devices, finish_metrics, summed_leaves
+from ..core._written import WriteReport, Written, apart_across_devices
 
-__all__ = ['Settled', 'all_finite', 'batch_sums', 'clip_by_global_norm', 'guarded_update', 'micro_step', 'same', 'settle']
+__all__ = ['WINDOW_HOLDS', 'Settled', 'all_finite', 'batch_sums', 'clip_by_global_norm', 'guarded_update', 'micro_step',
+           'same', 'settle', 'settle_writes']
+
+
+# what a Variable without a batch axis holds after a step where its writes differed, when batches (accumulate_steps,
+# streamed chunks) or devices share an update: the batches before the last put it back (settle_writes)
+WINDOW_HOLDS = ("what the last micro-batch of the batch that closes each update wrote (on a mesh, of one device's "
+                "share)")
 
 
 class Settled(NamedTuple):
@@ -70,7 +78,7 @@ def micro_step(loss_and_aux: Callable, shared_args, params: Optional[dict], weig
 
 def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: MicroBatchPlan, states: Sequence,
                params: Optional[dict], alone: bool, two_passes: Optional[Callable] = None,
-               metrics: Optional[MetricPlan] = None) -> Sums:
+               metrics: Optional[MetricPlan] = None, report: Optional[WriteReport] = None) -> Sums:
   """The weighted sums of ``plan``'s micro-batches of ``args`` (this device's share), from the core.
 
   ``alone``: nothing else is added to this batch (no mesh, no window), so a batch in one piece is its own
@@ -85,7 +93,7 @@ def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: Micro
   if two_passes is not None and (plan.num_micro_batches > 1 or not alone):
     return two_passes(args, axes, plan, states)
   grads_like = None if params is None else {k: v.value for k, v in params.items()}
-  return accumulate(micro_fn, args, axes, plan, states, grads_like, metrics=metrics)
+  return accumulate(micro_fn, args, axes, plan, states, grads_like, metrics=metrics, report=report)
 
 
 def _added(sums: Sums, across: Callable, metrics: Optional[MetricPlan], *more):
@@ -108,15 +116,18 @@ def _metrics_of(sums: Sums, added, summed, total, mesh_axis: Optional[str], redu
 
 
 def settle(sums: Sums, across: Callable, mesh_axis: Optional[str] = None, *, reduction: str, skip_nonfinite: bool,
-           window=None, update: bool = True, metrics: Optional[MetricPlan] = None) -> Settled:
+           window=None, update: bool = True, metrics: Optional[MetricPlan] = None,
+           report: Optional[WriteReport] = None) -> Settled:
   """Add the devices' ``sums`` (``across``, over ``mesh_axis``) and finish the batch, or put it in the ``window``.
 
   Without a window the batch's gradient is its mean (``'sum'``: its sum). With one, each device adds its
   own sums to its row of the window, and the devices add their gradients only when ``update`` closes it:
   one gradient all-reduce per optimizer update; a non-finite batch (on any device) is left out. ``update``
   may also be a traced bool (a streamed chunk's): the window is emptied, and the update applied, only where
-  it is True, so that the chunks that close the window and those that do not run one compiled step.
+  it is True, so that the chunks that close the window and those that do not run one compiled step. States
+  without a batch axis that the batch wrote: :func:`settle_writes`.
   """
+  settle_writes(sums.written, window, update, mesh_axis, report)
   if window is None:
     added, summed = _added(sums, across, metrics, sums.grad_sum, sums.total_weight)
     grad_sum, total = added[:2]
@@ -138,6 +149,31 @@ def settle(sums: Sums, across: Callable, mesh_axis: Optional[str] = None, *, red
   if closes is not None:
     apply = closes if apply is None else apply & closes
   return Settled(grads, apply, finite, loss, aux)
+
+
+def settle_writes(written: Optional[Written], window, update, mesh_axis: Optional[str],
+                  report: Optional[WriteReport]) -> None:
+  """States without a batch axis that the batch's forward passes wrote (``written``; the core started every
+  micro-batch from their values and kept the first one's writes).
+
+  A step that does not update (``update`` False, or traced and False) puts them back: every batch of an
+  ``accumulate_steps`` window and every chunk of a streamed batch starts where the window started, as one
+  batch of them all would, and the batch that updates leaves its writes to the optimizer. ``report`` hears of
+  writes that differ between the window's batches or between the devices of ``mesh_axis``.
+  """
+  if written is None or not written.states:
+    return
+  apart = [jnp.asarray(False)] * len(written.states)
+  if mesh_axis is not None:
+    apart = [a | b for a, b in zip(apart, apart_across_devices(written, mesh_axis))]
+  if window is not None:
+    apart = [a | b for a, b in zip(apart, window.writes_apart(written, update))]
+  if report is not None and (mesh_axis is not None or window is not None):
+    report.report(written._replace(apart=tuple(apart)), WINDOW_HOLDS)
+  if update is not True:
+    for state, start in zip(written.states, written.starts):
+      state.value = jax.tree_util.tree_map(lambda new, old: jnp.where(update, new, same_type(old, new)),
+                                           state.value, start)
 
 
 def all_finite(tree) -> jax.Array:

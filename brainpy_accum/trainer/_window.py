@@ -7,13 +7,14 @@ a short last window is neither under- nor over-weighted, and nothing carries
 into the next epoch.
 """
 
-from typing import Dict, Iterable, Iterator, Optional, Tuple, Union
+from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import brainpy.math as bm
 import jax.numpy as jnp
 
 from ..core._combine import same_type, wide_zeros_like
 from ..core._cut import check_positive_int, is_int
+from ..core._written import Written, fingerprint
 
 __all__ = ['GradWindow', 'check_accumulate_steps', 'steps_for_epoch', 'with_last_flag']
 
@@ -76,9 +77,11 @@ class GradWindow:
   With ``copies=D`` every sum gets a leading axis of ``D`` rows, one per
   device of a mesh (sharded along it), so each device keeps its own partial
   sums between updates and the devices add them only when the window closes.
+  ``watchable``: the model's Variables that a forward pass may write without a batch axis, whose writes the
+  window compares between its batches (:meth:`writes_apart`).
   """
 
-  def __init__(self, params: Dict[str, bm.Variable], copies: Optional[int] = None):
+  def __init__(self, params: Dict[str, bm.Variable], copies: Optional[int] = None, watchable: Sequence = ()):
     zeros = wide_zeros_like({k: v.value for k, v in params.items()})
     self.copies = copies
     if copies is not None:
@@ -88,6 +91,12 @@ class GradWindow:
     # whether the step now run closes the window: an argument of the step, not part of its program, so that
     # every chunk of a streamed batch runs one compiled step (set by the fit loop; not a checkpointed sum)
     self.closes = bm.Variable(jnp.ones((), bool))
+    # a print of what the window's first batch wrote to each watchable Variable, and whether it wrote it: read
+    # and written only by the steps of a model that writes such Variables (not checkpointed: a resumed window
+    # compares from its next batch on)
+    self._slots = {id(var): i for i, var in enumerate(watchable)}
+    self.prints = bm.Variable(jnp.zeros((len(watchable),), jnp.uint32))
+    self.printed = bm.Variable(jnp.zeros((len(watchable),), bool))
 
   def add_sums(self, grad_sums: Dict, weight, keep: Optional[object] = None) -> None:
     """Add already weighted gradient sums (one device's, inside a shard) and their weight."""
@@ -110,6 +119,22 @@ class GradWindow:
   def _empty(self, where: Optional[object] = None) -> None:
     for var in [*self.grads.values(), self.weight]:
       var.value = jnp.zeros_like(var.value) if where is None else jnp.where(where, jnp.zeros_like(var.value), var.value)
+
+  def writes_apart(self, written: Written, closes) -> Tuple:
+    """For each state of ``written``, True where this batch wrote another value than an earlier batch of the
+    window; the first batch's prints are kept until the window closes (``closes``: a bool, or traced)."""
+    apart = []
+    for state in written.states:
+      slot = self._slots.get(id(state))
+      if slot is None:  # not the model's (nothing to keep it by)
+        apart.append(jnp.asarray(False))
+        continue
+      new, old, seen = fingerprint(state.value), self.prints.value[slot], self.printed.value[slot]
+      apart.append(seen & (new != old))
+      self.prints.value = self.prints.value.at[slot].set(jnp.where(seen, old, new))
+      self.printed.value = self.printed.value.at[slot].set(True)
+    self.printed.value = jnp.where(closes, jnp.zeros_like(self.printed.value), self.printed.value)
+    return tuple(apart)
 
   def variables(self) -> Dict[str, bm.Variable]:
     """The window's Variables by name, for checkpoints."""

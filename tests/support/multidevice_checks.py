@@ -19,6 +19,8 @@ from test_equivalence import Scenario, run
 from test_metrics import DECLARED, assert_same_history
 from test_metrics import fit as fit_with_metrics
 from test_training_loop import ClippedBPTT, _variable_length_batches, concat, masked_mse, train, windows
+from test_written_state import data, written_warnings
+from test_written_state import fit as fit_written
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason='needs 8 (simulated) devices')
 
@@ -126,6 +128,23 @@ def test_window_steps_do_not_reduce_gradients(mesh):
   update = count_all_reduces(trainer.compile_step(x, y, update=True).as_text())
   assert collect.in_loops == update.in_loops == 0
   assert collect.elements < 8 <= num_params <= update.elements, (collect, update)  # only the loss and weights
+
+
+@pytest.mark.parametrize('options', [dict(num_micro_batch=1), dict(num_micro_batch=2),
+                                     dict(num_micro_batch=1, accumulate_steps=2)])
+def test_written_weights_over_devices(mesh, options):
+  """A layer whose update clips its weights, batch 16 over 8 devices (with accumulate_steps, two batches of 8):
+  every device's micro-batches start from the step's weights (bp.BPTT's parameters and time-step counter). A
+  Hebbian term written into the weights is warned of, also with one micro-batch per device, where only the
+  devices' (or the window's batches') writes differ."""
+  x, y = data(batch=16)
+  batches = [(x[:8], y[:8]), (x[8:], y[8:])] if 'accumulate_steps' in options else [(x, y)]
+  params, caught = fit_written(AccumBPTT, 'clip', 'adam', batches=batches, mesh=mesh, **options)
+  assert_trees_close(params, fit_written(bp.BPTT, 'clip', 'adam', batches=[(x, y)])[0])
+  assert not written_warnings(caught), caught
+  _, caught = fit_written(AccumBPTT, 'hebb', batches=batches, mesh=mesh, **options)
+  found = written_warnings(caught)
+  assert len(found) == 1 and '.W is written' in found[0], caught
 
 
 def test_counter_sees_a_reduction_inside_the_loop(mesh):

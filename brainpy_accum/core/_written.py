@@ -1,0 +1,181 @@
+"""States without a batch axis that the forward pass writes: every micro-batch starts from the step's values.
+
+``bp.BPTT`` runs the whole batch forward once. A write inside ``update`` (a weight clipped to a sign, masked
+by Dale's law or rescaled; a counter of time steps; a record for plotting) happens once, from the values
+the step started with, and the gradient is taken through it; the optimizer then updates the written value.
+Cut into micro-batches, the write made by one micro-batch's forward would be where the next one starts: a
+clipped weight entry at 0 would let the next micro-batch's gradient through ``where(0 < 0, 0, w)``. So::
+
+  for each micro-batch i of N:
+    forward and backward of micro-batch i          # writes them, from the values the step started with
+    prints[i] <- a print of what it wrote
+    written states <- what it wrote if i = N - 1, else the values it started with
+  apart = any(prints != prints[0])
+
+A write that does not depend on the data (a clip, a mask, a rescaling, a count of time steps) is the same in
+every micro-batch and equals the whole batch's: exact. A write that depends on the data (a Hebbian term, a
+batch statistic, a record of a sample) differs between micro-batches (``apart``): no micro-batch's write is
+the whole batch's in general, so the step reports it and the host warns once per state, naming it, what it
+holds and the fix (:class:`WriteReport`). Random keys are not put back: each micro-batch draws fresh numbers.
+
+The states are found as the micro-batch loop is traced, each micro-batch's prints leave the loop stacked,
+and the last micro-batch keeps its writes: nothing needs to be known before the loop, so a model that writes
+no such state traces once and compiles the program it compiled before.
+"""
+
+import functools
+import warnings
+import weakref
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+
+import brainpy.math as bm
+import brainstate
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._combine import same_type
+
+__all__ = ['WriteReport', 'Written', 'apart_across_devices', 'fingerprint', 'is_trainable', 'kept_last', 'restart',
+           'values_before', 'written_by']
+
+
+class Written(NamedTuple):
+  """The states without a batch axis that a step's micro-batches wrote.
+
+  ``states``: the States, which hold what the last micro-batch wrote; ``starts``: their values when the step
+  started, where every micro-batch started; ``apart``: for each, a traced bool, True where the micro-batches
+  wrote different values.
+  """
+  states: Tuple = ()
+  starts: Tuple = ()
+  apart: Tuple = ()
+
+
+def is_trainable(state) -> bool:
+  """A parameter: a brainpy ``TrainVar`` or a brainstate ``ParamState``."""
+  return isinstance(state, (bm.TrainVar, brainstate.ParamState))
+
+
+def written_by(trace: brainstate.StateTraceStack, skip: set) -> list:
+  """The states ``trace`` saw written, random keys and those whose ids are in ``skip`` (the batched ones) aside."""
+  return [s for s, wrote in zip(trace.states, trace.been_writen)
+          if wrote and id(s) not in skip and not isinstance(s, brainstate.random.RandomState)]
+
+
+def restart(states: Sequence, values: Sequence) -> None:
+  """Give ``states`` the ``values`` (their dtypes and weak types kept: the scan carries them)."""
+  for state, value in zip(states, values):
+    state.value = jax.tree_util.tree_map(same_type, value, state.value)
+
+
+def kept_last(trace: brainstate.StateTraceStack, skip: set, last) -> Tuple[list, list]:
+  """After one micro-batch, traced in ``trace``: the states without a batch axis that it wrote (``skip``: the ids
+  of the batched ones) and a print of what it wrote to each (:func:`fingerprint`); each is put back to the value
+  it started from, unless ``last`` (the loop's last micro-batch keeps its writes)."""
+  wrote = written_by(trace, skip)
+  prints = [fingerprint(s.value) for s in wrote]
+  for state, start in zip(wrote, values_before(trace, wrote)):
+    state.value = jax.tree_util.tree_map(lambda new, old: same_type(jnp.where(last, new, old), old), state.value,
+                                         start)
+  return wrote, prints
+
+
+def values_before(trace: brainstate.StateTraceStack, states: Sequence) -> Tuple:
+  """The values that ``states`` had before ``trace`` first saw them."""
+  before = dict(zip(map(id, trace.states), trace.original_state_values))
+  return tuple(before[id(s)] for s in states)
+
+
+def _mix(h):
+  """MurmurHash3's finaliser on uint32: every input bit moves every output bit."""
+  h = h ^ (h >> 16)
+  h = h * np.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * np.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _bits(x) -> jax.Array:
+  """The bits of every element of ``x`` as uint32 words (an element of 64 bits or more gives several)."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32).ravel()
+  if x.dtype.itemsize >= 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32).ravel()
+  return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16}[x.dtype.itemsize]).astype(jnp.uint32).ravel()
+
+
+def fingerprint(value) -> jax.Array:
+  """A uint32 of every bit of ``value`` (a pytree) and its place: equal values give equal prints in any program
+  (sums of integers do not depend on their order), different ones differ but for one chance in 2**32.
+
+  Examples
+  --------
+  >>> import jax.numpy as jnp
+  >>> w = jnp.asarray([0.5, -0.3, 0.2])
+  >>> bool(fingerprint(w) == fingerprint(jnp.where(w < 2, w, 0.))), bool(fingerprint(w) == fingerprint(w[::-1]))
+  (True, False)
+  """
+  total = jnp.zeros((), jnp.uint32)
+  for i, leaf in enumerate(jax.tree_util.tree_leaves(value)):
+    bits = _bits(leaf)
+    salt = jnp.arange(bits.size, dtype=jnp.uint32) * np.uint32(0x9E3779B9) + np.uint32((i * 0x632BE5AB) % 2 ** 32)
+    total = total + jnp.sum(_mix(bits ^ _mix(salt)), dtype=jnp.uint32)
+  return _mix(total)
+
+
+def apart_across_devices(written: Written, mesh_axis: str) -> Tuple:
+  """Inside ``shard_map``: for each state of ``written``, True where the devices of ``mesh_axis`` hold different
+  values of it (each wrote it from its own share of the batch)."""
+  prints = jnp.stack([fingerprint(s.value) for s in written.states])
+  return tuple(jax.lax.pmax(prints, mesh_axis) != jax.lax.pmin(prints, mesh_axis))
+
+
+class WriteReport:
+  """The host's side of :class:`Written`: a warning for every state whose writes differed, once per state.
+
+  ``names``: ``{id(state): name}`` for the warnings (a trainer's ``model.vars()`` paths, the keys of
+  ``grad_states``); other states are named by their type and shape. ``holds``: what such a state holds after
+  a step, where the caller knows better than the micro-batch loop (a trainer whose updates close a window).
+  """
+
+  def __init__(self, names: Optional[Dict[int, str]] = None, holds: Optional[str] = None):
+    self.names, self.holds = dict(names or {}), holds
+    self._warned = weakref.WeakValueDictionary()  # id -> the state: an id freed and reused warns again
+
+  def name_of(self, state) -> str:
+    """The state's name for a warning: given, its own, or its type and shape (``State(shape=(3,))``)."""
+    name = self.names.get(id(state)) or getattr(state, 'name', None)
+    return name or f'{type(state).__name__}(shape={jax.tree_util.tree_map(np.shape, state.value)})'
+
+  def report(self, written: Optional[Written], holds: str) -> None:
+    """Inside the step: the host warns for each state of ``written`` whose micro-batches wrote different values
+    (``holds``: what such a state holds after the step); nothing when none was written."""
+    if written is None or not written.states:
+      return
+    states = tuple(written.states)
+    jax.debug.callback(functools.partial(self._warn, states, self.holds or holds), jnp.stack(written.apart))
+
+  def _warn(self, states: tuple, holds: str, apart) -> None:
+    for state, flag in zip(states, np.asarray(apart)):
+      if not flag or self._warned.get(id(state)) is state:
+        continue
+      self._warned[id(state)] = state
+      warnings.warn(_message(self.name_of(state), is_trainable(state), holds), UserWarning, stacklevel=1)
+
+
+def _message(name: str, trainable: bool, holds: str) -> str:
+  if trainable:
+    return (f'The trainable {name} is written in the forward pass with values that depend on the data (they '
+            f'differed between micro-batches: a Hebbian term, a batch statistic, ...). A whole-batch step '
+            f'(bp.BPTT) writes it once from the whole batch; here each micro-batch\'s forward pass and gradient saw '
+            f'its own write, and {name} holds {holds}, then the optimizer\'s update: training differs from '
+            f'whole-batch training. Use num_micro_batch=1 (and accumulate_steps=1) for this model, or move the '
+            f'write out of the forward pass (apply it to the parameters between steps).')
+  return (f'Model state {name} has no batch axis, and the forward pass writes it with values that depend on the '
+          f'samples (they differed between micro-batches: a record of a sample, a batch statistic, a sum over '
+          f'samples). After the step it holds {holds}; a whole-batch step (bp.BPTT) leaves what the whole batch '
+          f'writes, the same only where the write reads the last samples alone (a record of the last sample, not '
+          f'of sample 0). If it holds one value per sample, give it a batch axis (bm.Variable(..., batch_axis=0)); '
+          f'for a batch statistic use num_micro_batch=1, or compute it outside the training step.')
