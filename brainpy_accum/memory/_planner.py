@@ -176,6 +176,7 @@ class Planner:
     self.streams, self.whole_batch_loss, self.cache, self.key_of = streams, whole_batch_loss, cache, key_of
     self.memory_plans: Dict[int, Tuple[MicroBatchPlan, int]] = {}  # batch (or chunk) size -> (plan, bytes)
     self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
+    self.piece_sizes: set = set()  # of those, the ones streamed in pieces by choice (their data fits the device)
     self.weighed_plans: Dict[int, List[Candidate]] = {}  # remat='auto': every candidate weighed, per share
     self.finer_plans: Dict[int, MicroBatchPlan] = {}  # batch sizes cut finer after running out of memory
     self._largest_micro: Dict[int, int] = {}  # batch (or chunk) size -> the largest micro-batch that fits
@@ -212,6 +213,7 @@ class Planner:
       self.compilers.unkeep(size)
     for batch_size in [b for b, chunk in self.stream_chunks.items() if chunk in stale]:
       del self.stream_chunks[batch_size]
+      self.piece_sizes.discard(batch_size)
     if stale:
       tqdm.write(f'memory plan: {self.budget_of.describe()} now, less than when batch sizes {stale} were planned '
                  f'(other arrays took room on the device since): planning them again')
@@ -237,6 +239,12 @@ class Planner:
       raise ValueError(f'No micro-batch plan for {batch_size=} yet under {self.budget_of.named()}: call '
                        f'trainer.plan_memory(inputs, targets) with a batch of that size first (fit does this itself).')
     return self.memory_plans[batch_size][0]
+
+  def is_streamed(self, batch_size: int, on_device: bool = False) -> bool:
+    """Whether a batch of ``batch_size`` is streamed in chunks: one streamed because its data does not fit beside
+    its step, always; one streamed in pieces by choice (a host batch sent ahead), not where its data is on the
+    device already: its step then runs whole, in micro-batches of the pieces' size (:meth:`plan_for`)."""
+    return batch_size in self.stream_chunks and not (on_device and batch_size in self.piece_sizes)
 
   def known_plan(self, batch_size: int) -> Optional[MicroBatchPlan]:
     """The plan of ``batch_size`` if it has one already (cut finer, or planned), else ``None``."""
@@ -564,6 +572,7 @@ class Planner:
       micro = None if piece is None else search.micro_batch_of(piece)
     if micro is None:
       return self._stream(request, None)  # no piece of one micro-batch fits: chunks, or the error that says why
+    self.piece_sizes.add(batch_size)
     return self._streamed_in(batch_size, piece, search.unkept,
                              f'streamed from the host in pieces of {piece}, each sent to the device while the one '
                              f'before computes')

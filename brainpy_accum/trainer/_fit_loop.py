@@ -134,9 +134,9 @@ class FitLoop:
     try:
       for batch in one.batches(self.view.hooks.check_batch):
         self._start(one, batch)
-        streamed = batch.size in self.view.planner.stream_chunks
+        streamed = self.view.planner.is_streamed(batch.size, batch.on_device)
         loss, aux = self._streamed(one, batch) if streamed else self._whole(one, batch)
-        one.log.record(loss, aux, self._describe(batch.size, one.every))
+        one.log.record(loss, aux, self._describe(batch.size, one.every, streamed))
         self._done(one, batch)
         stop.check()
       self.check.finish()
@@ -173,7 +173,7 @@ class FitLoop:
     cached = planner.is_cached(shared_args, batch.inputs, batch.targets)
     with self.check.planning(one.phase, batch.inputs, batch.targets, cached), self._errors_of_the_whole_batch(batch):
       self.view.hooks.plan(batch.inputs, batch.targets, shared_args)
-    if batch.size not in planner.stream_chunks and planner.plan_for(batch.size).num_micro_batches == 1:
+    if not planner.is_streamed(batch.size, batch.on_device) and planner.plan_for(batch.size).num_micro_batches == 1:
       self.check.drop()
 
   def _whole(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
@@ -305,9 +305,9 @@ class FitLoop:
     if self.options.fun_after_report is not None:
       self.options.fun_after_report(idx, means, one.phase)
 
-  def _describe(self, batch_size: int, every: int) -> str:
+  def _describe(self, batch_size: int, every: int, streamed: bool) -> str:
     chunk, planner = self.view.planner.stream_chunks.get(batch_size), self.view.planner
-    if chunk is None:
+    if not streamed:
       text = planner.describe(batch_size)
     else:
       text = (f'batch {batch_size} streamed in {len(chunk_sizes(batch_size, chunk))} chunks of '

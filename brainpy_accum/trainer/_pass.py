@@ -5,6 +5,7 @@ import itertools
 import time
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sized, cast
 
+import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -27,6 +28,11 @@ class Batch(NamedTuple):
   @property
   def size(self) -> int:
     return self.layout.batch_size
+
+  @property
+  def on_device(self) -> bool:
+    """Whether every leaf of the batch is on a device already (JAX arrays: nothing to copy)."""
+    return all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves((self.inputs, self.targets)))
 
   @property
   def data(self) -> tuple:

@@ -363,8 +363,8 @@ def test_report_lines_name_the_same_plans(capsys):
 
 @pytest.mark.long  # the long suite (--long): the planner's search of the chunks, twice
 def test_streamed_chunks_go_ahead_one_by_one_bit_for_bit(sent, tmp_path):
-  """A batch larger than the budget, streamed in chunks: each chunk is sent while the one before it runs (the
-  batch after a streamed one is not sent: it would not fit beside it); results as without the overlap, also
+  """A batch larger than the budget, streamed in chunks: each chunk is sent while the one before it runs, the next
+  batch's first while this batch's last runs (never a whole batch beside them); results as without the overlap, also
   with ``loss_weight_fn`` (its values read when the batch is combined, not in between). The second run reads the
   first's plans from the plan cache (its steps compiled again)."""
   batches = make_batches((24, 24), num_time=20, n_in=64, seed=15)
@@ -382,10 +382,67 @@ def test_streamed_chunks_go_ahead_one_by_one_bit_for_bit(sent, tmp_path):
     results.append([params_of(trainer.target), optimizer_state(trainer), trainer.train_losses,
                     np.asarray(trainer.target.lif.V.value)])
   chunks = -(-24 // trainer.stream_chunks[24])
-  assert chunks > 1 and len(sent) == 2 * (chunks - 1) and all(len(x) == trainer.stream_chunks[24] for x, _ in sent)
+  assert chunks > 1 and len(sent) == 2 * chunks - 1 and all(len(x) == trainer.stream_chunks[24] for x, _ in sent)
   assert_trees_close(results[1], results[0], **EXACT)
   expected = bp.BPTT(make_model('snn', n_in=64), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.01),
                      progress_bar=False)
   expected.fit(batches, num_epoch=1)
   assert_trees_close(results[1][0], params_of(expected.target))
   assert_trees_close(results[1][2], expected.train_losses)
+
+
+def _pieces_budget(model: str, batch) -> int:
+  """A budget that the batch's step in one micro-batch fits, but not with the whole next batch sent beside it:
+  'auto' streams it in pieces."""
+  size = len(batch[1])
+  probe = AccumBPTT(make_model(model), 'mean_squared_error', num_micro_batch='auto', memory_budget='1GiB')
+  probe.target.reset(size)
+  whole = probe.compiled_step_bytes(plan_micro_batches(size, num_micro_batch=1), FIT, *batch)
+  return whole + prefetch_bytes(*batch) // 2
+
+
+@pytest.mark.parametrize('data', ['ragged', 'dict', 'generator'])
+def test_pieces_sent_ahead_train_as_bptt(sent, data):
+  """NumPy batches streamed in pieces, each sent while the one before computes: the update of the whole batch,
+  for a ragged last batch (a piece plan of its own), dict inputs, and a generator read at most one batch ahead."""
+  model = 'dict_rnn' if data == 'dict' else 'rnn'
+  batches = make_batches((16, 16, 16, 11) if data == 'ragged' else (16,) * 3, seed=21, dict_inputs=data == 'dict')
+  read = []
+
+  def source():
+    for i, batch in enumerate(batches):
+      read.append(i)
+      yield batch
+
+  seen = []
+  trainer = AccumBPTT(make_model(model), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=_pieces_budget(model, batches[0]), cache=False)
+  trainer.fit(source if data == 'generator' else batches, num_epoch=2, num_report=1,
+              fun_after_report=lambda idx, metrics, phase: seen.append(len(read)))
+  assert 16 in trainer.stream_chunks and trainer.stream_chunks[16] < 16 and sent
+  if data == 'generator':  # at each report of epoch 2 the source had given that batch and one more at most
+    assert [n - 3 for n in seen[3:]] == [2, 3, 3]
+  expected = bp.BPTT(make_model(model), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
+  expected.fit(batches, num_epoch=2, num_report=1)
+  assert_trees_close(params_of(trainer.target), params_of(expected.target))
+  np.testing.assert_allclose(trainer.train_losses, expected.train_losses, rtol=1e-5)
+
+
+def test_device_data_of_a_size_planned_in_pieces_runs_in_one_step(monkeypatch):
+  """A batch size planned in pieces for NumPy batches (sent ahead), then given as data already on the device:
+  nothing to send, so its step runs whole, in micro-batches of the pieces' size (one step a batch, the slices
+  taken inside it), and trains as bp.BPTT."""
+  batches = make_batches((16,) * 3, seed=22)
+  trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=_pieces_budget('rnn', batches[0]), cache=False)
+  trainer.fit(batches, num_epoch=1)
+  piece = trainer.stream_chunks[16]
+  stepped, real = [], _fit_loop._call_step
+  monkeypatch.setattr(_fit_loop, '_call_step', lambda step, shared, x, y: stepped.append(len(x)) or
+                      real(step, shared, x, y))
+  trainer.fit([tuple(jnp.asarray(a) for a in batch) for batch in batches], num_epoch=1)
+  assert stepped == [16] * 3 and trainer.plan_for(16).micro_batch_size == piece
+  expected = bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
+  expected.fit(batches, num_epoch=2)
+  assert_trees_close(params_of(trainer.target), params_of(expected.target))
+  np.testing.assert_allclose(trainer.train_losses, expected.train_losses[-1:], rtol=1e-5)
