@@ -10,7 +10,9 @@ into the next epoch.
 from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import brainpy.math as bm
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..core._combine import same_type, wide_zeros_like
 from ..core._cut import check_positive_int, is_int
@@ -95,8 +97,9 @@ class GradWindow:
     # and written only by the steps of a model that writes such Variables (not checkpointed: a resumed window
     # compares from its next batch on)
     self._slots = {id(var): i for i, var in enumerate(watchable)}
-    self.prints = bm.Variable(jnp.zeros((len(watchable),), jnp.uint32))
-    self.printed = bm.Variable(jnp.zeros((len(watchable),), bool))
+    # (made from NumPy zeros: copied to the device, no program compiled for them when a trainer is built)
+    self.prints = bm.Variable(jax.device_put(np.zeros((len(watchable),), np.uint32)))
+    self.printed = bm.Variable(jax.device_put(np.zeros((len(watchable),), bool)))
 
   def add_sums(self, grad_sums: Dict, weight, keep: Optional[object] = None) -> None:
     """Add already weighted gradient sums (one device's, inside a shard) and their weight."""
