@@ -345,27 +345,29 @@ def _workload_table(workload: str, rows: List[dict], peak: dict, fit_gives: str)
 
 HEADER = '''# On a GPU or TPU
 
-Made by `python -m brainpy_accum.bench --parts device` (or `python -m brainpy_accum.bench.accelerator`): the spiking
-network (`bench.workloads.SpikingRNN`) and the rate RNN, cross-entropy of the last step's read-out, Adam, at
-batch sizes from 256 to 16,384 on an accelerator (T=500, 1024 hidden, 128 inputs), small ones on a CPU.
-For each batch size: whether bp.BPTT's step fits, `AccumBPTT(num_micro_batch='auto')`'s plan and bytes, plain
-JAX + optax at the same micro-batching, the time to the first epoch of each, and samples/s over an epoch
-through `fit`:
+Made by `python -m brainpy_accum.bench --parts device` (or `python -m brainpy_accum.bench.accelerator`): on an
+accelerator the spiking network (`bench.workloads.SpikingRNN`: T=500, 1024 hidden, 128 inputs, cross-entropy of
+the last step's read-out, Adam) at batch sizes from 2,048 (bp.BPTT's largest on a TPU v5e) to 65,536 (16.8 GB of
+data, as large as the chip); on a CPU both networks at small sizes. For each batch size: whether bp.BPTT's step
+fits, `AccumBPTT(num_micro_batch='auto')`'s plan and bytes with no budget (the device's own memory), the time to
+the first epoch, and samples/s over epochs of 16 batches through `fit`:
 
-- **NumPy, sent ahead**: NumPy batches from the host, as users pass them, each sent to the device while the
-  step before it runs (at most one batch ahead), so that the copy hides behind the step where the step is the
-  longer. This is what AccumBPTT's `fit` gives the user on an accelerator.
-- **NumPy, with its step**: the same batches, each copied when its step is called. This is what `fit` gives
-  on a CPU (where there is no transfer to hide), and what bp.BPTT's own loop does everywhere.
-- **on the device**: the same batches made on the device beforehand; no copy, the step's own speed.
+- **NumPy, sent ahead**: NumPy batches from the host, as users pass them, each batch (or, where its step does not
+  run in one micro-batch, each piece of one micro-batch) sent to the device while the step before it runs. This
+  is what AccumBPTT's `fit` gives the user on an accelerator.
+- **NumPy, with its step**: the same batches, each copied when its step is called: what bp.BPTT's own loop does,
+  and `fit` on a CPU (where there is no transfer to hide).
+- **on the device**: the same batches made on the device beforehand; no copy, the step's own speed (only where
+  a batch takes at most 30% of the device: a larger one cannot sit there beside its step).
 
-FLOP/s count the matmuls: `6 B T (I H + H H + H O)` a train step (forward, and the backward pass at twice the
-forward). XLA's cost analysis (in `accelerator.json`, `xla_flops`) counts each loop body once, whatever its trip
-count, so it is not used. "Bytes" are XLA's compile-time figure of the train step (arguments, outputs,
-temporaries); for AccumBPTT that of its plan. Trainers alternate within a round (order reversed every other
-round); ratios are medians of per-round ratios, except between NumPy and device batches at a batch size where
-three batches take more than a tenth of the device's memory: those are timed in two phases (so that the device
-holds one of them at a time) and their ratio is one of medians.'''
+The ratios against bp.BPTT's best speed on device batches are the issue's measure. `--holds BATCH` also trains
+one batch after planning it with 60% and 30% of the device held by an array. FLOP/s count the matmuls:
+`6 B T (I H + H H + H O)` a train step. "Bytes" are XLA's compile-time figure of the train step (arguments,
+outputs, temporaries); for AccumBPTT that of its plan (of a piece, where the batch is streamed in pieces). Trainers
+alternate within a round (order reversed every other round); ratios are medians of per-round ratios, except between
+NumPy and device batches at a batch size where three batches take more than a tenth of the device's memory: those
+are timed in two phases (so that the device holds one of them at a time) and their ratio is one of medians. Plain
+JAX + optax at the same micro-batching is measured on the CPU run only.'''
 
 
 def device_report(data: dict) -> str:
