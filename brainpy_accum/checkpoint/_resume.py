@@ -128,10 +128,11 @@ class Run:
     self.progress = Progress()
     self._test_log_at_start: Optional[dict] = None  # the test log before the running test pass
 
-  def resume(self) -> None:
-    """Continue from the checkpoint if one exists (a checkpoint saved by hand: its state, from epoch 0)."""
+  def resume(self) -> bool:
+    """Continue from the checkpoint if one exists (a checkpoint saved by hand: its state, from epoch 0); whether
+    one was loaded. A damaged one raises before anything changes."""
     if self.checkpoint is None or not os.path.exists(self.checkpoint):
-      return
+      return False
     saved = self.files.load(self.checkpoint)
     if saved is not None:
       self.progress, history = saved
@@ -140,6 +141,7 @@ class Run:
           log.restore(history[phase])
     tqdm.write(f'resuming from checkpoint={self.checkpoint!r} at epoch {self.progress.epoch}, '
                f'{self.progress.trained} batches of it trained')
+    return True
 
   def batch_trained(self, update: bool) -> None:
     """A training batch is done (``update``: the optimizer updated)."""

@@ -182,6 +182,7 @@ class Planner:
     self._largest_micro: Dict[int, int] = {}  # batch (or chunk) size -> the largest micro-batch that fits
     self._through_window: set = set()  # sizes planned for their step through the window (a streamed chunk's)
     self._in_hand = 0  # bytes of the batch being planned that are on the device already (arguments of its step)
+    self._beside: Dict[int, int] = {}  # piece size -> bytes held beside its step (the batch's model state, twice)
 
   # ------------------------------------------------------------------ the plan of a batch size
 
@@ -204,7 +205,8 @@ class Planner:
     the device are the step's own."""
     self._in_hand = _device_bytes(inputs, targets)
     now = None if self.budget_of is None or not self.memory_plans else self.budget_of.recheck(held=self._held)
-    stale = sorted(size for size, (_, used) in self.memory_plans.items() if now is not None and used > now)
+    stale = sorted(size for size, (_, used) in self.memory_plans.items()
+                   if now is not None and used + self._beside.get(size, 0) > now)
     for size in stale:
       del self.memory_plans[size]
       self.finer_plans.pop(size, None)
@@ -552,7 +554,7 @@ class Planner:
     batch_size, budget = request.layout.batch_size, self.budget
     search = ChunkSearch(request.layout, request.batch, budget, self.compilers, self.model, remat_options=(None,),
                          plan_chunk=functools.partial(self._chunk_micro_batch, request))
-    states = 2 * sum(int(jax.numpy.asarray(var.value).nbytes) for var, _ in self.model.batched(batch_size).values())
+    states = 2 * _state_bytes(self.model.batched(batch_size), batch_size)
 
     measured: Dict[int, int] = {}
 
@@ -573,6 +575,7 @@ class Planner:
     if micro is None:
       return self._stream(request, None)  # no piece of one micro-batch fits: chunks, or the error that says why
     self.piece_sizes.add(batch_size)
+    self._beside[piece] = max(self._beside.get(piece, 0), states)  # what recheck_budget counts beside its step
     return self._streamed_in(batch_size, piece, search.unkept,
                              f'streamed from the host in pieces of {piece}, each sent to the device while the one '
                              f'before computes')
@@ -742,6 +745,16 @@ def _even_piece(batch_size: int, largest: int, sizes) -> int:
   """
   even = [size for size in sizes if 0.75 * largest <= size <= largest and batch_size % size == 0]
   return max(even, default=largest)
+
+
+def _state_bytes(states: dict, batch_size: int) -> int:
+  """Device bytes of the model's batched ``states`` (``{name: (Variable, axis)}``) at ``batch_size`` samples,
+  whatever size they hold now (one sample, before a reset: the planner may be asked before fit resets them)."""
+  total = 0
+  for var, axis in states.values():
+    value = jax.numpy.asarray(var.value)
+    total += value.nbytes // max(1, value.shape[axis]) * batch_size
+  return total
 
 
 def _device_bytes(inputs, targets) -> int:

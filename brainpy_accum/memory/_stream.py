@@ -29,7 +29,9 @@ import numpy as np
 
 from ..core._batch import is_array
 from ..core._metrics import combine_on_host
-from ..core._states import all_samples, declared_batch_axes, values_restored
+from ..core._mesh import random_states
+from ..core._states import (all_samples, batched_variables, declared_batch_axes, restore_values, values_of,
+                            values_restored)
 from ._budget import candidate_micro_batch_sizes
 
 __all__ = ['StreamedStates', 'best_chunk', 'chunk_candidates', 'chunk_sizes', 'chunk_starts', 'combine',
@@ -211,9 +213,13 @@ class StreamedStates:
     Samples of the whole batch.
   """
 
-  def __init__(self, states: Dict[str, Tuple[Any, int]], batch_size: int):
+  def __init__(self, states: Dict[str, Tuple[Any, int]], batch_size: int, unbatched: Sequence = ()):
     self.states, self.batch_size = states, batch_size
     self.whole = {name: all_samples(name, var, axis, batch_size) for name, (var, axis) in states.items()}
+    # the model's other Variables (no batch axis; not random states), as the batch found them: an evaluation
+    # step, which has no window to put back what the forward pass wrote to them, gets them back after every chunk
+    # but the last, as a micro-batched one does (the training steps' window does it for training)
+    self.unbatched, self.at_start = list(unbatched), values_of(unbatched)
     # each chunk's final state, joined after the last: every chunk starts from a slice of the state as fit left
     # it (weakly typed after a reset, as bp.BPTT's step takes it), so every chunk's step is the same program
     self.finals: Dict[str, list] = {name: [] for name in states}
@@ -229,10 +235,20 @@ class StreamedStates:
     for name, (var, axis) in self.states.items():
       var.value = jax.lax.dynamic_slice_in_dim(self.whole[name], start, size, axis=axis)
 
-  def leave(self) -> None:
-    """Keep the chunk's final states."""
+  @classmethod
+  def of(cls, model, batch_size: int) -> 'StreamedStates':
+    """The streamed states of ``model`` at ``batch_size``: its batched states, and its others (random states
+    aside) to put back between the chunks of an evaluation."""
+    states = batched_variables(model, batch_size)
+    skip = {id(var) for var, _ in states.values()} | {id(var) for var in random_states(model)}
+    return cls(states, batch_size, [var for var in model.vars().unique().values() if id(var) not in skip])
+
+  def leave(self, put_back: bool = False) -> None:
+    """Keep the chunk's final states; ``put_back``: the model's other Variables as the batch found them."""
     for name, (var, _) in self.states.items():
       self.finals[name].append(bm.as_jax(var.value))
+    if put_back:
+      restore_values(self.unbatched, self.at_start)
 
   def join(self) -> None:
     """The whole batch's final state: the chunks' joined."""

@@ -158,11 +158,12 @@ def prefetch_bytes(inputs, targets) -> int:
 
 
 def _signature(batch):
-  """What a batch's check and plan depend on: its tree and each leaf's shape and dtype (``None``: not arrays)."""
+  """What a batch's check and plan depend on: its tree and each leaf's shape, dtype and whether it is on the host
+  (a host batch may stream in pieces where one on the device runs whole); ``None``: not arrays."""
   leaves, treedef = jax.tree_util.tree_flatten(batch, is_leaf=is_array)
   if not all(hasattr(x, 'shape') and hasattr(x, 'dtype') for x in leaves):
     return None
-  return treedef, tuple((tuple(x.shape), np.dtype(x.dtype)) for x in leaves)
+  return treedef, tuple((tuple(x.shape), np.dtype(x.dtype), _copied(x)) for x in leaves)
 
 
 def _room_for(nbytes: int) -> bool:
@@ -194,9 +195,10 @@ class Sender:
     self._running: Deque[Any] = collections.deque()  # outputs of the steps dispatched and not waited for
 
   def dispatched(self, outputs) -> None:
-    """A step was dispatched; ``outputs`` (any of its results) are ready when it is done."""
+    """A step was dispatched; ``outputs`` (any of its results) are ready when it is done. Where steps are bounded,
+    wait for the step before it (never for it): at most two steps are in flight, whether or not data is sent."""
     self._running.append(outputs)
-    if not self.enabled and self.bounded:
+    if self.bounded:
       self._wait(keep=1)
 
   def _wait(self, keep: int) -> None:
@@ -207,7 +209,7 @@ class Sender:
     """``data`` on its way to the device (:func:`on_device`), or ``None`` where it stays on the host."""
     if not self.enabled:
       return None
-    self._wait(keep=1)
+    self._wait(keep=1)  # (done by dispatched already, where a step was)
     if not _room_for(prefetch_bytes(data, ())):
       return None
     return on_device(data)

@@ -24,6 +24,10 @@ class PendingCheck:
       self.started = True
       self._running = self._owner.run(*self._batch)
 
+  def cancel(self) -> None:
+    """Never start (nothing to check); a check already finished stays as it is."""
+    self.started = self.finished = True
+
   def finish(self, report: bool = True) -> None:
     """Wait for the check and give its warnings (``report=False``: only wait); nothing if it never started."""
     if self.started and not self.finished:
@@ -75,9 +79,15 @@ class FitCheck:
     with self.pending.around_step(report=False):
       yield
 
-  def drop(self) -> None:
-    """The batch runs in one micro-batch, which trains the whole batch's loss: nothing to warn about."""
-    self.pending.finish(report=False)
+  def planned(self, one_piece: bool, streamed: bool) -> None:
+    """After planning: a batch in one micro-batch trains the whole batch's loss, nothing to warn about (the check
+    is dropped, started or not); a streamed batch's check, made before planning and not started (a cached plan),
+    starts now, while the model holds the whole batch's state (its first piece's is set next)."""
+    if one_piece:
+      self.pending.finish(report=False)
+      self.pending.cancel()
+    elif streamed:
+      self.pending.start()
 
   @contextlib.contextmanager
   def stepping(self, phase: str, inputs, targets, streamed: bool = False, within=None):

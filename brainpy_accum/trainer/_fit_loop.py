@@ -20,7 +20,6 @@ import brainstate.transform
 import jax.numpy as jnp
 
 from ..checkpoint._resume import Interrupted, Run, StopRequest, act_on, deferred_signals
-from ..core._states import batched_variables
 from ..diagnostics._compiles import count_compilations
 from ..memory._oom import run_with_retry
 from ..memory._stream import StreamedStates, chunk_sizes, combine_later, host_pieces
@@ -96,7 +95,8 @@ class FitLoop:
 
   def fit(self, train_data, test_data, num_epoch: int) -> None:
     """Run (or resume) the epochs; the metric history where bp.BPTT keeps it, also when interrupted."""
-    self.run.resume()
+    if not self.run.resume() and self.view.window is not None:  # (a checkpoint loaded holds the run's window)
+      self.view.window.clear()
     if not self.options.reset_state:  # every batch of a list continues the model state: all of its size, first
       check_carried_sizes(self.view.target, self._batch_size, train_data=train_data, test_data=test_data)
     try:
@@ -173,8 +173,8 @@ class FitLoop:
     cached = planner.is_cached(shared_args, batch.inputs, batch.targets)
     with self.check.planning(one.phase, batch.inputs, batch.targets, cached), self._errors_of_the_whole_batch(batch):
       self.view.hooks.plan(batch.inputs, batch.targets, shared_args)
-    if not planner.is_streamed(batch.size, batch.on_device) and planner.plan_for(batch.size).num_micro_batches == 1:
-      self.check.drop()
+    streamed = planner.is_streamed(batch.size, batch.on_device)
+    self.check.planned(not streamed and planner.plan_for(batch.size).num_micro_batches == 1, streamed)
 
   def _whole(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
     """One batch's step, in one piece (cut into micro-batches inside it)."""
@@ -189,14 +189,16 @@ class FitLoop:
   def _streamed(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
     """A batch streamed in pieces (:mod:`~brainpy_accum.memory._stream`): each piece's sums into the window,
     the last updates; each piece starts from its samples' slice of the whole batch's model state."""
-    states = StreamedStates(batched_variables(self.view.target, batch.size), batch.size)
+    states = StreamedStates.of(self.view.target, batch.size)
     pieces, results, weights = self._pieces(batch.inputs, batch.targets), [], []
     update, weigh = one.updates(batch), self.view.settings.loss_weight_fn
     with states.declared():
       for i, (start, size, piece) in enumerate(pieces):
-        data = batch.sent.pop(i, None) or piece()
+        host = piece()  # (NumPy views: nothing copied)
+        data = batch.sent.pop(i, None) or host
         states.enter(start, size)
-        self.view.planner.plan_chunk(*data, self.options.shared_args)  # the shorter last has its own plan
+        # the shorter last has its own plan, made on the host data, with the next piece sent beside it counted
+        self.view.planner.plan_chunk(*host, self.options.shared_args)
         last = update and i == len(pieces) - 1
         kind = self._kind(one.phase, last, streamed=True)
         first = i == 0 and one.phase == 'fit'
@@ -205,7 +207,7 @@ class FitLoop:
           results.append(self._step(kind, data, size, batch))
         one.feed.dispatched(results[-1][0], i, len(pieces))  # the next piece (or batch) on its way
         weights.append(size if weigh is None else weigh(*data))  # read with the results, when reported
-        states.leave()
+        states.leave(put_back=one.phase != 'fit' and i < len(pieces) - 1)
     states.join()
     return combine_later(results, weights, self.view.settings.grad_reduction, self.view.steps.metric_rules,
                          chunk_sizes(batch.size, self.view.planner.stream_chunks[batch.size]))

@@ -123,6 +123,15 @@ class GradWindow:
     for var in [*self.grads.values(), self.weight]:
       var.value = jnp.zeros_like(var.value) if where is None else jnp.where(where, jnp.zeros_like(var.value), var.value)
 
+  def clear(self) -> None:
+    """Empty the window: nothing carries into a new :meth:`fit` call (a call stopped by an error between the
+    batches or pieces of one update leaves their sums; a resumed run loads its window from the checkpoint after).
+    An empty window is left as it is (nothing computed)."""
+    if not (np.asarray(self.weight.value).any() or np.asarray(self.printed.value).any()):
+      return
+    self._empty()
+    self.printed.value = jnp.zeros_like(self.printed.value)
+
   def writes_apart(self, written: Written, closes) -> Tuple:
     """For each state of ``written``, True where this batch wrote another value than an earlier batch of the
     window; the first batch's prints are kept until the window closes (``closes``: a bool, or traced)."""

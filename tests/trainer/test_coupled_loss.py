@@ -301,3 +301,22 @@ def test_masked_and_summed_losses_are_silent_at_every_point():
   assert not messages, messages
   _, messages = _conclude(lambda p, y: bm.sum(bm.mean(p[1]['V'] ** 2, axis=(1, 2))), reduction='sum')
   assert not messages, messages
+
+
+def _rmse(predicts, targets):
+  """Not a mean of per-sample values: cut in two it differs from the whole batch's."""
+  return bm.sqrt(bm.mean((predicts - targets) ** 2))
+
+
+def test_a_batch_in_one_piece_from_the_plan_cache_is_not_checked(tmp_path):
+  """A batch whose plan (from the plan cache) runs in one micro-batch trains the whole batch's loss: the check,
+  made before planning and not started (the cached plan has no search to run beside), is dropped, as when the plan
+  is searched, and nothing is warned (found in review: the second fit warned)."""
+  batches = make_batches((16,), seed=3)
+  for _ in range(2):
+    trainer = AccumBPTT(make_model('rnn'), _rmse, progress_bar=False, num_micro_batch='auto', memory_budget='1GiB',
+                        cache=tmp_path)
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')
+      trainer.fit(batches, num_epoch=1)
+    assert trainer.plan_for(16).num_micro_batches == 1

@@ -446,3 +446,19 @@ def test_device_data_of_a_size_planned_in_pieces_runs_in_one_step(monkeypatch):
   expected.fit(batches, num_epoch=2)
   assert_trees_close(params_of(trainer.target), params_of(expected.target))
   np.testing.assert_allclose(trainer.train_losses, expected.train_losses[-1:], rtol=1e-5)
+
+
+def test_steps_in_flight_stay_bounded_when_nothing_is_sent(monkeypatch):
+  """Batches unlike the one before (here of other lengths) are not sent ahead; the loop still waits for the step
+  before the running one, so that the device holds two steps' data at most (found in review: one more a batch)."""
+  batches = [make_batches((8,), num_time=3 + i, seed=i)[0] for i in range(6)]
+  held, real = [], _feed.Sender.dispatched
+
+  def counting(self, outputs):
+    real(self, outputs)
+    held.append(len(self._running))
+
+  monkeypatch.setattr(_feed.Sender, 'dispatched', counting)
+  trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', num_micro_batch=2, progress_bar=False)
+  trainer.fit(batches, num_epoch=1)
+  assert held and max(held) <= 1

@@ -231,3 +231,15 @@ def test_micro_batched_grad_restarts_written_states():
     else:
       assert len(found) == 1, found
       assert_trees_close((grads, w.value, record.value), (expected, expected_w, expected_record))
+
+
+def test_a_streamed_evaluation_puts_written_states_back_between_its_chunks():
+  """An evaluation batch streamed in chunks has no window to put back what the forward pass wrote: the chunks
+  start from the batch's values as the micro-batches of an evaluation step do, so a time-step counter counts one
+  batch, not one batch per chunk (found in review: 15 steps against bp.BPTT's 10)."""
+  probe = AccumBPTT(build('clip'), bp.losses.mean_squared_error, num_micro_batch='auto', memory_budget='1GiB')
+  budget = streaming_budget([probe], [data()], chunk=2)
+  trainers = []
+  params, _ = fit(AccumBPTT, 'clip', test=True, trainers=trainers, num_micro_batch='auto', memory_budget=budget)
+  assert 8 in trainers[0].stream_chunks
+  assert_trees_close(params, reference('clip', test=True))
