@@ -43,7 +43,7 @@ def test_other_errors_are_not_out_of_memory(error):
   assert not is_out_of_memory(error)
 
 
-@pytest.mark.parametrize('form', [LOAD, BUFFER], ids=['load', 'buffer'])
+@pytest.mark.parametrize('form', [LOAD, pytest.param(BUFFER, marks=pytest.mark.long)], ids=['load', 'buffer'])
 def test_a_step_that_runs_out_of_memory_in_any_form_is_retried_finer_and_trains_as_bptt(monkeypatch, capsys, form):
   """The first call of the step raises the form (as a TPU does when the program cannot be loaded beside the
   arrays of now): fit cuts the batch finer, runs it again (the failed attempt changed nothing) and ends where

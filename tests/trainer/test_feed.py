@@ -401,7 +401,8 @@ def _pieces_budget(model: str, batch) -> int:
   return whole + prefetch_bytes(*batch) // 2
 
 
-@pytest.mark.parametrize('data', ['ragged', 'dict', 'generator'])
+@pytest.mark.parametrize('data', ['ragged', pytest.param('dict', marks=pytest.mark.long),  # (--long: README time)
+                                  pytest.param('generator', marks=pytest.mark.long)])
 def test_pieces_sent_ahead_train_as_bptt(sent, data):
   """NumPy batches streamed in pieces, each sent while the one before computes: the update of the whole batch,
   for a ragged last batch (a piece plan of its own), dict inputs, and a generator read at most one batch ahead."""
