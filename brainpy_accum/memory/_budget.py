@@ -18,7 +18,7 @@ import numpy as np
 
 from ..core._cut import is_int
 
-__all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes',
+__all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes', 'state_bytes',
            'largest_fitting', 'choose_micro_batch_size', 'StepMemory', 'memory_parts', 'step_memory',
            'argument_bytes', 'fixed_bytes_at_least', 'TooSmall']
 
@@ -108,6 +108,24 @@ def _rounded(size: int, tile: int) -> int:
   """``size`` rounded up to a multiple of ``tile`` (of 8 below ``tile``; as it is below 8)."""
   grain = tile if size >= tile else 8 if size >= 8 and tile > 8 else 1
   return -(-size // grain) * grain
+
+
+def state_bytes(states: dict, batch_size: Optional[int] = None) -> int:
+  """Device bytes of a model's batched ``states`` (``{name: (Variable, batch axis)}``) at ``batch_size`` samples,
+  whatever size they hold now (``None``: as they are).
+
+  Examples
+  --------
+  >>> import brainpy.math as bm, numpy as np
+  >>> states = {'V': (bm.Variable(np.zeros((4, 8), np.float32)), 0)}
+  >>> state_bytes(states), state_bytes(states, 16)
+  (128, 512)
+  """
+  total = 0
+  for var, axis in states.values():
+    value = bm.as_jax(var.value)
+    total += value.nbytes if batch_size is None else value.nbytes // max(1, value.shape[axis]) * batch_size
+  return total
 
 
 def candidate_micro_batch_sizes(batch_size: int, tile: Optional[int] = None) -> List[int]:

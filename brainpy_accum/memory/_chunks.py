@@ -14,10 +14,8 @@ line predicts.
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-import brainpy.math as bm
-
 from ..core._cut import MicroBatchPlan, plan_micro_batches
-from ._budget import memory_parts
+from ._budget import memory_parts, state_bytes
 from ._stream import chunk_candidates, host_chunk, likely_chunk
 
 __all__ = ['ChunkSearch']
@@ -100,9 +98,8 @@ class ChunkSearch:
   def _fixed_bytes_of_chunk(self, chunk: int) -> int:
     """The model's fixed bytes at the chunk's size, by arithmetic: no reset (its zeros would compile once per
     size); the model's batched states scale with the chunk."""
-    states = [bm.as_jax(var.value) for var, _ in self._states_now.values()]
-    scaled = sum(x.nbytes // x.shape[axis] * chunk for x, (_, axis) in zip(states, self._states_now.values()))
-    return self.model.fixed_bytes(*self._data_of(chunk)) - sum(x.nbytes for x in states) + scaled
+    return (self.model.fixed_bytes(*self._data_of(chunk)) - state_bytes(self._states_now)
+            + state_bytes(self._states_now, chunk))
 
   def chunk_data(self, chunk: int):
     """The first chunk's ``(inputs, targets)``, with the model state at its size; ``None`` where its fixed bytes

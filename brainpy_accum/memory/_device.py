@@ -31,10 +31,12 @@ DEVICE_MARGIN = 0.05
 
 
 class DeviceMemory(NamedTuple):
-  """What a device reports of its memory: ``limit`` usable bytes, ``in_use`` held by arrays now, its ``kind``."""
+  """What a device reports of its memory: ``limit`` usable bytes, ``in_use`` held by arrays now, its ``kind``,
+  and ``reserved``: the temporaries its loaded programs reserve (a TPU keeps them beside every array)."""
   limit: int
   in_use: int
   kind: str
+  reserved: int = 0
 
 
 def device_memory(device: Optional[jax.Device] = None) -> Optional[DeviceMemory]:
@@ -57,7 +59,8 @@ def device_memory(device: Optional[jax.Device] = None) -> Optional[DeviceMemory]
   kind = getattr(device, 'device_kind', '') or ''
   if not kind.upper().startswith(device.platform.upper()):  # 'TPU v5 lite' names its platform already
     kind = f'{device.platform.upper()} {kind}'.strip()
-  return DeviceMemory(int(stats['bytes_limit']), int(stats.get('bytes_in_use', 0)), kind)
+  return DeviceMemory(int(stats['bytes_limit']), int(stats.get('bytes_in_use', 0)), kind,
+                      int(stats.get('bytes_reserved', 0)))
 
 
 def as_fraction(value) -> Optional[float]:

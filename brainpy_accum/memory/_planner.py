@@ -28,7 +28,7 @@ from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import check_divisible
 from ..core._states import values_restored
 from ._budget import (StepMemory, TooSmall, candidate_micro_batch_sizes, choose_micro_batch_size, format_memory,
-                      largest_fitting, memory_parts)
+                      largest_fitting, memory_parts, state_bytes)
 from ._cache import PlanCache
 from ._chunks import ChunkSearch
 from . import _device
@@ -554,7 +554,7 @@ class Planner:
     batch_size, budget = request.layout.batch_size, self.budget
     search = ChunkSearch(request.layout, request.batch, budget, self.compilers, self.model, remat_options=(None,),
                          plan_chunk=functools.partial(self._chunk_micro_batch, request))
-    states = 2 * _state_bytes(self.model.batched(batch_size), batch_size)
+    states = 2 * state_bytes(self.model.batched(batch_size), batch_size)  # (at the batch size: before a reset too)
 
     measured: Dict[int, int] = {}
 
@@ -745,16 +745,6 @@ def _even_piece(batch_size: int, largest: int, sizes) -> int:
   """
   even = [size for size in sizes if 0.75 * largest <= size <= largest and batch_size % size == 0]
   return max(even, default=largest)
-
-
-def _state_bytes(states: dict, batch_size: int) -> int:
-  """Device bytes of the model's batched ``states`` (``{name: (Variable, axis)}``) at ``batch_size`` samples,
-  whatever size they hold now (one sample, before a reset: the planner may be asked before fit resets them)."""
-  total = 0
-  for var, axis in states.values():
-    value = jax.numpy.asarray(var.value)
-    total += value.nbytes // max(1, value.shape[axis]) * batch_size
-  return total
 
 
 def _device_bytes(inputs, targets) -> int:

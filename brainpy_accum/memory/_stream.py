@@ -203,7 +203,8 @@ class StreamedStates:
 
   Each chunk starts from its samples' slice of the whole batch's state (as fit reset it at the batch size: the
   same random draws as ``bp.BPTT``'s), and the chunks' final states are joined after the last, where the whole
-  batch's would be. Device memory: the whole batch's state and the chunks' final states (:meth:`bytes`).
+  batch's would be. Device memory: the whole batch's state and the chunks' final states (the planner counts them
+  beside a piece's step).
 
   Parameters
   ----------
@@ -261,10 +262,6 @@ class StreamedStates:
     with values_restored([var for var, _ in self.states.values()], any_shape=True):
       self.enter(0, count)
       yield
-
-  def bytes(self) -> int:
-    """Device bytes held beside the chunks' steps: the whole batch's state and its chunks' final states."""
-    return 2 * sum(int(np.prod(np.shape(x))) * jnp.asarray(x).dtype.itemsize for x in self.whole.values())
 
 
 class _Combined:

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._batch import is_array
+from ..memory._device import device_memory
 from ._window import with_last_flag
 
 __all__ = ['Feed', 'Fed', 'Sender', 'on_device', 'overlapping', 'prefetch_bytes', 'sends_ahead']
@@ -169,24 +170,17 @@ def _signature(batch):
 def _room_for(nbytes: int) -> bool:
   """Whether the default device has room for ``nbytes`` more beside its arrays and the temporaries its loaded
   programs reserve (always, where it reports no memory: a CPU)."""
-  try:
-    stats = jax.devices()[0].memory_stats()
-  except Exception:  # noqa: BLE001 -- a backend without memory statistics
-    stats = None
-  if not stats or 'bytes_limit' not in stats:
-    return True
-  limit = stats['bytes_limit']
-  free = limit - stats.get('bytes_in_use', 0) - stats.get('bytes_reserved', 0)
-  return nbytes <= free - ROOM_MARGIN * limit
+  memory = device_memory()
+  return memory is None or nbytes <= memory.limit - memory.in_use - memory.reserved - ROOM_MARGIN * memory.limit
 
 
 class Sender:
   """The steps dispatched and not yet waited for, so that at most one unit of data is sent ahead of them.
 
-  ``send(data)``, after a step's :meth:`dispatched`, first waits for the step before that one (which the
-  device then has finished: its data is freed), then sends ``data`` if the device has room for it. Where nothing
-  is sent ahead (:func:`sends_ahead`) it sends nothing, and off the CPU it still keeps at most two steps
-  dispatched (each holds its data on the device).
+  :meth:`dispatched` waits for the step before the one dispatched (which the device then has finished: its data
+  is freed), so that ``send(data)`` after it sends ``data``, if the device has room for it, beside the running
+  step's alone. Where nothing is sent ahead (:func:`sends_ahead`) it sends nothing, and off the CPU it still keeps
+  at most two steps dispatched (each holds its data on the device).
   """
 
   def __init__(self, enabled: bool = True):
@@ -207,10 +201,7 @@ class Sender:
 
   def send(self, data) -> Optional[Any]:
     """``data`` on its way to the device (:func:`on_device`), or ``None`` where it stays on the host."""
-    if not self.enabled:
-      return None
-    self._wait(keep=1)  # (done by dispatched already, where a step was)
-    if not _room_for(prefetch_bytes(data, ())):
+    if not self.enabled or not _room_for(prefetch_bytes(data, ())):
       return None
     return on_device(data)
 
@@ -266,7 +257,7 @@ class Feed:
   def __init__(self, batches: Iterable, sender: Sender, units: Callable[[Any, Any], Optional[list]]):
     self._batches, self.sender, self._units = batches, sender, units
     self._in_hand: Optional[Fed] = None
-    self._following: Any = None       # the batch read ahead, as the source gave it (a list: nothing read)
+    self._following: Any = _NOTHING   # the batch read ahead, as the source gave it
     self._first: Dict[Optional[int], Any] = {}  # its first unit, sent ahead
     self._hand_copies: list = []  # the copies of the batch in hand's units, and of the batch read ahead's
     self._following_copies: list = []
@@ -305,8 +296,8 @@ class Feed:
       self._send(self._in_hand.batch, piece + 1, self._in_hand.sent, self._hand_copies)
       return
     following = self._following
-    if following is _NOTHING or _signature(following) is None \
-        or _signature(following) != _signature(self._in_hand.batch):
+    like = None if following is _NOTHING else _signature(following)
+    if like is None or like != _signature(self._in_hand.batch):
       return
     self._send(following, None if piece is None else 0, self._first, self._following_copies)
 
