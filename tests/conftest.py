@@ -74,24 +74,31 @@ def long_leg_marker(filename: str) -> str:
 
 
 NEEDS_ACCELERATOR = "needs a GPU or TPU: jax.default_backend() is 'cpu'"
+NO_HOST_CALLBACKS = (f'runs a host callback, and JAX_PLATFORMS={os.environ.get("JAX_PLATFORMS")!r} leaves JAX no CPU '
+                     f'backend to run it on (as bp.BPTT: the callback is the test\'s or the user\'s own)')
 
 
 def pytest_collection_modifyitems(config, items):
   """Long tests get their CI leg's marker; without ``--long`` they are deselected (not skipped: they are not
   part of this run). Tests marked ``accelerator`` skip on the CPU, those marked ``cpu_only(reason)`` off it,
-  saying why."""
+  saying why; those marked ``host_callback(reason)`` skip where JAX has no CPU backend to run a host callback
+  (``JAX_PLATFORMS=tpu``)."""
   for item in items:
     if item.get_closest_marker('long'):
       item.add_marker(long_leg_marker(item.path.name))
-  if any(item.get_closest_marker('accelerator') or item.get_closest_marker('cpu_only') for item in items):
+  if any(item.get_closest_marker(name) for item in items for name in ('accelerator', 'cpu_only', 'host_callback')):
     import jax
-    on_cpu = jax.default_backend() == 'cpu'
+    from brainpy_accum.core._written import host_callbacks_run
+    on_cpu, callbacks = jax.default_backend() == 'cpu', host_callbacks_run()
     for item in items:
       if on_cpu and item.get_closest_marker('accelerator'):
         item.add_marker(pytest.mark.skip(reason=NEEDS_ACCELERATOR))
       only = item.get_closest_marker('cpu_only')
       if not on_cpu and only:
         item.add_marker(pytest.mark.skip(reason=f'CPU only, on {jax.default_backend()}: {only.args[0]}'))
+      host = item.get_closest_marker('host_callback')
+      if host and not callbacks:
+        item.add_marker(pytest.mark.skip(reason=f'{NO_HOST_CALLBACKS}: {host.args[0]}'))
   if config.getoption('--long'):
     return
   long_items = [item for item in items if item.get_closest_marker('long')]

@@ -135,7 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   parser.add_argument('--out', default='docs', help='folder for devices.md, devices.png, devices.json')
   args = parser.parse_args(argv)
   if os.environ.get('BRAINPY_ACCUM_DEVICES_WORKER') != '1':
-    env = dict(os.environ, BRAINPY_ACCUM_DEVICES_WORKER='1',
+    # the devices are simulated on the host's CPU, whatever accelerator this machine has (JAX_PLATFORMS=tpu too)
+    env = dict(os.environ, BRAINPY_ACCUM_DEVICES_WORKER='1', JAX_PLATFORMS='cpu',
                XLA_FLAGS=(os.environ.get('XLA_FLAGS', '') + f' --xla_force_host_platform_device_count={max(DEVICES)}'))
     sys.exit(subprocess.call([sys.executable, '-m', 'brainpy_accum.bench.mesh'] + list(argv or sys.argv[1:]),
                              env=env))

@@ -119,20 +119,19 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
   metrics are stitched into whole-batch buffers like ``samples``.
 
   Other states that ``micro_fn`` writes (random keys aside) start every micro-batch from their values at the
-  call and end as the last micro-batch wrote them (:mod:`~brainpy_accum.core._written`); ``report`` warns of
-  those whose writes differed between micro-batches (default: naming them by type and shape).
+  call and end as the last micro-batch wrote them (:mod:`~brainpy_accum.core._written`); the returned
+  ``written`` says which, and whether their writes differed between micro-batches, which ``report`` (a
+  :class:`~brainpy_accum.core._written.WriteReport`), given, warns of.
   """
   skip = {id(s) for s, _ in states}
   if plan.num_micro_batches == 1:
     return _one_batch(micro_fn, args, plan, grads_like, metrics, skip)
   whole = [s.value for s, _ in states]
   sums = _scanned(micro_fn, args, axes, plan, states, whole, grads_like, samples_like, sample_axes, metrics)
-  holds = f'what the last micro-batch (the last {plan.sizes[-1]} of {plan.batch_size} samples) wrote'
-  (report or _ANONYMOUS).report(sums.written, holds)
+  if report is not None:
+    report.report(sums.written, f'what the last micro-batch (the last {plan.sizes[-1]} of {plan.batch_size} '
+                                f'samples) wrote')
   return sums
-
-
-_ANONYMOUS = WriteReport()  # names states by their type and shape
 
 
 def _scanned(micro_fn, args, axes, plan: MicroBatchPlan, states, whole: list, grads_like, samples_like, sample_axes,

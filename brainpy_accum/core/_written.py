@@ -18,12 +18,19 @@ batch statistic, a record of a sample) differs between micro-batches (``apart``)
 the whole batch's in general, so the step reports it and the host warns once per state, naming it, what it
 holds and the fix (:class:`WriteReport`). Random keys are not put back: each micro-batch draws fresh numbers.
 
+No step calls back to the host for this (on an accelerator with ``JAX_PLATFORMS=tpu`` there is no CPU backend to
+run a callback, and elsewhere it is a device-to-host trip in every step): a trainer's steps OR their ``apart``
+flags into a Variable (:class:`WriteEvidence`), an ordinary output of the step, which the host reads where the fit
+loop reads the losses. Flags known on the host (a call outside ``jit``) are warned of at once; only the functional
+core inside a user's ``jit``, which has no such place, sends them by a host callback, where JAX has a CPU backend.
+
 The states are found as the micro-batch loop is traced, each micro-batch's prints leave the loop stacked,
 and the last micro-batch keeps its writes: nothing needs to be known before the loop, so a model that writes
 no such state traces once and compiles the program it compiled before.
 """
 
 import functools
+import os
 import warnings
 import weakref
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
@@ -36,8 +43,8 @@ import numpy as np
 
 from ._combine import same_type
 
-__all__ = ['WriteReport', 'Written', 'apart_across_devices', 'fingerprint', 'is_trainable', 'kept_last', 'restart',
-           'values_before', 'written_by']
+__all__ = ['WriteEvidence', 'WriteReport', 'Written', 'apart_across_devices', 'fingerprint', 'host_callbacks_run',
+           'is_trainable', 'kept_last', 'restart', 'values_before', 'written_by']
 
 
 class Written(NamedTuple):
@@ -132,16 +139,93 @@ def apart_across_devices(written: Written, mesh_axis: str) -> Tuple:
   return tuple(jax.lax.pmax(prints, mesh_axis) != jax.lax.pmin(prints, mesh_axis))
 
 
+class WriteEvidence:
+  """The written-state evidence of a trainer's compiled steps, as an ordinary output of each step: a Variable of
+  flags that every step writing a state ORs its ``apart`` flags into, read by the host when the fit loop reports
+  (no host callback inside a step: on an accelerator with ``JAX_PLATFORMS=tpu`` there is no CPU to run one).
+
+  ``watchable``: the States a step may write (a trainer's model Variables), one flag each, kept by identity;
+  other States take one of ``extra`` flags in the order the steps' traces meet them (past those, the last is
+  shared). ``mesh_axis``: inside ``shard_map`` over this axis (every step of a trainer with a mesh), each flag is
+  set where any device's is, so the Variable stays replicated.
+
+  Examples
+  --------
+  >>> import brainpy.math as bm, jax.numpy as jnp, numpy as np
+  >>> w, count = bm.Variable(jnp.ones(3)), bm.Variable(jnp.zeros(()))
+  >>> evidence = WriteEvidence([w, count])
+  >>> evidence.record((w, count), 'what the last micro-batch wrote', (jnp.asarray(False), jnp.asarray(True)))
+  >>> [(state is count, holds) for state, holds in evidence.flagged()]
+  [(True, 'what the last micro-batch wrote')]
+  """
+
+  EXTRA = 8
+
+  def __init__(self, watchable: Sequence = (), mesh_axis: Optional[str] = None, extra: int = EXTRA):
+    self._slots = {id(state): i for i, state in enumerate(watchable)}
+    self._size, self.mesh_axis = len(self._slots) + max(1, extra), mesh_axis
+    # (made from NumPy zeros: copied to the device, no program compiled for them when a trainer is built)
+    self.flags = bm.Variable(jax.device_put(np.zeros((self._size,), bool)))
+    self._met: Dict[int, Dict[int, Tuple[weakref.ref, str]]] = {}  # flag -> {id: (the State, what it holds)}
+
+  @property
+  def recorded(self) -> bool:
+    """Whether any step's trace wrote a flag (else nothing is read)."""
+    return bool(self._met)
+
+  def _slot(self, state) -> int:
+    slot = self._slots.get(id(state))
+    if slot is None:  # not watchable: the next of the extra flags, once
+      slot = min(len(self._slots), self._size - 1)
+      self._slots[id(state)] = slot
+    return slot
+
+  def record(self, states: Sequence, holds: str, apart: Sequence) -> None:
+    """While a step is traced: OR each traced ``apart`` flag into its state's flag (``holds``: what such a
+    state holds after the step, for the warning)."""
+    flags = self.flags.value
+    for state, flag in zip(states, apart):
+      if self.mesh_axis is not None:  # every device's micro-batches, and the devices' shares
+        flag = jax.lax.pmax(jnp.asarray(flag, jnp.int32), self.mesh_axis) > 0
+      slot = self._slot(state)
+      met = self._met.setdefault(slot, {})
+      before = met.get(id(state))
+      met[id(state)] = (weakref.ref(state), holds if before is None or before[1] == holds else _SOME_HOLDS)
+      flags = flags.at[slot].set(flags[slot] | flag)
+    self.flags.value = flags
+
+  def flagged(self) -> list:
+    """On the host: ``(state, holds)`` of every state whose flag a step set (waits for the last step that wrote
+    the flags: read it where the fit loop reads the losses)."""
+    if not self._met:
+      return []
+    flags = np.asarray(self.flags.value)
+    found = []
+    for slot, met in sorted(self._met.items()):
+      if flags[slot]:
+        found += [(ref(), holds) for ref, holds in met.values() if ref() is not None]
+    return found
+
+
+# what a state holds after steps whose traces said different things (batches of several sizes)
+_SOME_HOLDS = 'what the last micro-batch of a step wrote'
+
+
 class WriteReport:
   """The host's side of :class:`Written`: a warning for every state whose writes differed, once per state.
 
   ``names``: ``{id(state): name}`` for the warnings (a trainer's ``model.vars()`` paths, the keys of
   ``grad_states``); other states are named by their type and shape. ``holds``: what such a state holds after
   a step, where the caller knows better than the micro-batch loop (a trainer whose updates close a window).
+  ``evidence``: where a traced step's flags go (:class:`WriteEvidence`; the host reads them with :meth:`read`).
+  Without one, a traced step's flags reach the host by a host callback where the platform has a CPU backend
+  (the functional core, inside a user's ``jit``), and otherwise the trace warns that they cannot be checked.
+  Flags known on the host already (a call outside ``jit``) are warned of at once.
   """
 
-  def __init__(self, names: Optional[Dict[int, str]] = None, holds: Optional[str] = None):
-    self.names, self.holds = dict(names or {}), holds
+  def __init__(self, names: Optional[Dict[int, str]] = None, holds: Optional[str] = None,
+               evidence: Optional[WriteEvidence] = None):
+    self.names, self.holds, self.evidence = dict(names or {}), holds, evidence
     self._warned = weakref.WeakValueDictionary()  # id -> the state: an id freed and reused warns again
 
   def name_of(self, state) -> str:
@@ -150,12 +234,27 @@ class WriteReport:
     return name or f'{type(state).__name__}(shape={jax.tree_util.tree_map(np.shape, state.value)})'
 
   def report(self, written: Optional[Written], holds: str) -> None:
-    """Inside the step: the host warns for each state of ``written`` whose micro-batches wrote different values
-    (``holds``: what such a state holds after the step); nothing when none was written."""
+    """The states of ``written`` whose micro-batches wrote different values (``holds``: what such a state holds
+    after the step): warned of now where the flags are known, else recorded for :meth:`read` (or sent to the
+    host); nothing when none was written."""
     if written is None or not written.states:
       return
-    states = tuple(written.states)
-    jax.debug.callback(functools.partial(self._warn, states, self.holds or holds), jnp.stack(written.apart))
+    states, holds = tuple(written.states), self.holds or holds
+    if not any(isinstance(flag, jax.core.Tracer) for flag in written.apart):
+      self._warn(states, holds, [bool(flag) for flag in written.apart])
+    elif self.evidence is not None:
+      self.evidence.record(states, holds, written.apart)
+    elif host_callbacks_run():
+      jax.debug.callback(functools.partial(self._warn, states, holds), jnp.stack(written.apart))
+    else:
+      self._cannot_check(states)
+
+  def read(self) -> None:
+    """On the host, where the losses are read: warn of the states whose flags the steps set
+    (:class:`WriteEvidence`)."""
+    if self.evidence is not None and self.evidence.recorded:
+      for state, holds in self.evidence.flagged():
+        self._warn((state,), holds, (True,))
 
   def _warn(self, states: tuple, holds: str, apart) -> None:
     for state, flag in zip(states, np.asarray(apart)):
@@ -163,6 +262,29 @@ class WriteReport:
         continue
       self._warned[id(state)] = state
       warnings.warn(_message(self.name_of(state), is_trainable(state), holds), UserWarning, stacklevel=1)
+
+  def _cannot_check(self, states: tuple) -> None:
+    new = [s for s in states if self._warned.get(id(s)) is not s]
+    if not new:
+      return
+    for state in new:
+      self._warned[id(state)] = state
+    warnings.warn(f'The forward pass writes {", ".join(map(self.name_of, new))}, which have no batch axis: each '
+                  f'micro-batch starts from their values before the call and the last one\'s writes are kept, exact '
+                  f'for a write that does not depend on the data (a clip, a mask, a counter). Whether the '
+                  f'micro-batches wrote different values cannot be checked inside jit here: JAX has no CPU backend '
+                  f'for a host callback (JAX_PLATFORMS={os.environ.get("JAX_PLATFORMS", "")!r}). Add cpu to '
+                  f'JAX_PLATFORMS, or call the gradient function once outside jit to have it checked.',
+                  UserWarning, stacklevel=2)
+
+
+def host_callbacks_run() -> bool:
+  """Whether a host callback can run inside a compiled program here: JAX has a CPU backend to place its inputs
+  on (``JAX_PLATFORMS=tpu`` or ``cuda`` leaves none)."""
+  try:
+    return bool(jax.devices('cpu'))
+  except RuntimeError:
+    return False
 
 
 def _message(name: str, trainable: bool, holds: str) -> str:

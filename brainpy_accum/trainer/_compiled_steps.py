@@ -27,7 +27,7 @@ from ..core._mesh import random_states
 from ..core._shapes import traced_shapes
 from ..core._states import whole_batch_variables
 from ..core._two_pass import Devices, two_pass_sums
-from ..core._written import WriteReport
+from ..core._written import WriteEvidence, WriteReport
 from ..diagnostics._compiles import QUICK_COMPILE
 from ..memory._budget import StepMemory, step_memory
 from ..memory._live import temp_bytes_at_least
@@ -100,9 +100,12 @@ class CompiledSteps:
     self.metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
     self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
     self.found_reductions: Dict[str, str] = {}  # undeclared scalar metrics' reductions, found by the loss check
-    # warns of Variables without a batch axis that the micro-batches wrote differently, by their names in the model
-    self.writes = WriteReport({id(v): k for k, v in parts.model.vars().unique().items()},
-                              None if parts.window is None and options.mesh is None else WINDOW_HOLDS)
+    # warns of Variables without a batch axis that the micro-batches wrote differently, by their names in the model;
+    # the steps' flags are an output of each step (a Variable), read where the fit loop reads the losses
+    named = parts.model.vars().unique()
+    self.writes = WriteReport({id(v): k for k, v in named.items()},
+                              None if parts.window is None and options.mesh is None else WINDOW_HOLDS,
+                              WriteEvidence(list(named.values()), options.mesh_axis if options.mesh else None))
     self.planner = None  # the plans its steps are traced with (:meth:`attach`)
     self.rebuild()
 
@@ -126,6 +129,11 @@ class CompiledSteps:
       self._metric_plans.clear()
       self.rebuild()
     self.found_reductions.update(found)
+
+  def report_writes(self) -> None:
+    """Warn of the Variables without a batch axis whose writes the steps found apart (read on the host: call it
+    where the losses are read, after the steps that wrote them)."""
+    self.writes.read()
 
   def jitted(self, kind: str) -> Callable:
     """The ``kind`` step (``'fit'``, ``'loss'``, ``'collect'`` or ``'close'``): jitted unless ``jit`` says

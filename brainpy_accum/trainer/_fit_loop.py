@@ -121,6 +121,7 @@ class FitLoop:
       act_on(interruption.signum)  # Ctrl-C: KeyboardInterrupt; SIGTERM: its previous handler (default: exit)
     finally:
       self._keep_history()
+      self.view.steps.report_writes()  # (the losses were read: the steps that wrote the flags are done)
 
   def _batch_size(self, inputs, targets) -> int:
     return self.view.hooks.check_batch(inputs, targets).batch_size
@@ -303,6 +304,7 @@ class FitLoop:
     skipped = self.view.settings.skip_nonfinite and one.phase == 'fit'
     line, means = one.log.close_window(
       idx, unit, f', skipped {int(self.view.skipped_steps.value)} non-finite' if skipped else '')
+    self.view.steps.report_writes()  # read with the losses: the states whose writes the steps found apart
     one.show(line)
     if self.options.fun_after_report is not None:
       self.options.fun_after_report(idx, means, one.phase)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from brainpy_accum.core import MicroResult, accumulate, plan_micro_batches
-from brainpy_accum.core._written import WriteReport, fingerprint
+from brainpy_accum.core._written import WriteEvidence, WriteReport, fingerprint
 from helpers import assert_trees_close
 
 
@@ -67,12 +67,54 @@ def test_every_micro_batch_starts_from_the_values_before_the_loop(sizes):
   written = [s.value for s in (w, count, record)]
   for state, value in zip((w, count, record), start):
     state.value = value
-  report = WriteReport({id(record): 'record'})
+  report = WriteReport({id(record): 'record'}, evidence=WriteEvidence([w, count, record]))
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     grad_sum = brainstate.transform.jit(lambda x: accumulate(_micro_fn(w, count, record), (x,), [0], plan,
                                                             grads_like={'w': w.value}, report=report).grad_sum)(x)
-    jax.effects_barrier()
+    assert not caught  # the step's flags are an output of it, read on the host when asked
+    report.read()
   assert_trees_close((grad_sum['w'], [s.value for s in (w, count, record)]), (expected, written))
   assert int(count.value) == 1
   assert [str(c.message).split(' has')[0] for c in caught] == ['Model state record']
+
+
+def _record_batch(num_states=1):
+  """States of a loss that records its first sample (a data-dependent write), and a batch of 10."""
+  states = [brainstate.State(jnp.zeros(())) for _ in range(num_states)]
+
+  def micro_fn(args, size):
+    (x,) = args
+    for state in states:
+      state.value = x[0, 0]
+    return MicroResult(None, jnp.mean(x), {}, jnp.asarray(size, jnp.float32))
+
+  return states, micro_fn, jnp.asarray(np.random.RandomState(0).randn(10, 3), jnp.float32)
+
+
+def test_flags_known_on_the_host_are_warned_of_at_once_without_a_callback(monkeypatch):
+  """Outside jit the loop's flags are concrete: the report warns as it is called, with no callback (none could
+  run here: the callbacks are made to fail)."""
+  states, micro_fn, x = _record_batch()
+  monkeypatch.setattr(jax.debug, 'callback', lambda *a, **k: pytest.fail('a host callback'))
+  report = WriteReport({id(states[0]): 'record'})
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    accumulate(micro_fn, (x,), [0], plan_micro_batches(10, num_micro_batch=2), report=report)
+  assert [str(c.message).split(' has')[0] for c in caught] == ['Model state record']
+
+
+def test_a_traced_report_without_evidence_or_a_cpu_backend_says_it_cannot_check(monkeypatch):
+  """The functional core inside a user's jit, where JAX has no CPU backend (JAX_PLATFORMS=tpu): no callback is
+  bound; one warning names the written states and how to have them checked."""
+  from brainpy_accum.core import _written
+  states, micro_fn, x = _record_batch(2)
+  monkeypatch.setattr(_written, 'host_callbacks_run', lambda: False)
+  monkeypatch.setattr(jax.debug, 'callback', lambda *a, **k: pytest.fail('a host callback'))
+  report = WriteReport({id(states[0]): 'first', id(states[1]): 'second'})
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    brainstate.transform.jit(lambda x: accumulate(micro_fn, (x,), [0], plan_micro_batches(10, num_micro_batch=2),
+                                                  report=report).loss_sum)(x)
+  (message,) = [str(c.message) for c in caught]
+  assert 'writes first, second' in message and 'cannot be checked inside jit' in message, message

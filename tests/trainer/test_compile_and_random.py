@@ -4,6 +4,7 @@ import brainpy as bp
 import brainpy.math as bm
 import jax
 import numpy as np
+import pytest
 
 from brainpy_accum import AccumBPTT
 from helpers import TINY_SIZES, make_batches, make_model
@@ -29,6 +30,7 @@ class NoisyReadout(bp.DynamicalSystem):
     return self.out(x) + bm.random.normal(0., 1., (x.shape[0], 2))
 
 
+@pytest.mark.host_callback('the loss records what each micro-batch saw on the host')
 def test_each_micro_batch_draws_fresh_random_numbers():
   seen = []
 

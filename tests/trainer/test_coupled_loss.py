@@ -84,6 +84,7 @@ def host_normalised(predicts, targets):
   return bm.mean((predicts - targets) ** 2) / peak
 
 
+@pytest.mark.host_callback('the loss takes its peak on the host')
 def test_loss_with_a_host_callback_is_checked():
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter('always')
