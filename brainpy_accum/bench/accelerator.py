@@ -60,7 +60,7 @@ from .measure import FIT, LEARNING_RATE, Step, loss_of, plain_jax_step
 from .workloads import Shape, jax_params, make_batch, make_brainpy_model
 
 __all__ = ['ACCELERATOR', 'CPU', 'QUICK', 'measure_device', 'measure_batch', 'measure_peak', 'model_flops',
-           'memory_refusal', 'main']
+           'memory_refusal', 'stored_refusals', 'main']
 
 ACCELERATOR = dict(shape=Shape(batch=0, time=500, hidden=1024, inputs=128), workloads=('snn_ce',),
                    batches=(2048, 4096, 8192, 16384, 32768, 65536), epoch=16, rounds=2, budget=None)
@@ -68,6 +68,7 @@ CPU = dict(shape=Shape(batch=0, time=50, hidden=128, inputs=64), batches=(64, 25
            budget='32MiB', workloads=('snn_ce', 'rnn_ce'))
 QUICK = dict(shape=Shape(batch=0, time=6, hidden=8, inputs=4), batches=(8, 16), epoch=2, rounds=1, budget='40KiB',
              peak_size=256, workloads=('snn_ce', 'rnn_ce'))
+BPTT_SKIPPED = 'not tried: a smaller batch did not fit'
 DEVICE_SHARE = 0.3  # device batches are timed where one takes at most this share of the device's memory
 WORKLOADS = ('snn_ce', 'rnn_ce')
 TRAINERS = ('bp.BPTT', 'AccumBPTT', 'plain JAX + optax')
@@ -262,7 +263,7 @@ def measure_batch(workload: str, shape: Shape, epoch: int, rounds: int, budget: 
   trainers: Dict[str, _Trainer] = {}
   for name in ('bp.BPTT', 'AccumBPTT'):
     if name == 'bp.BPTT' and not bptt_fits:
-      rows[name].update(fits=False, error='a smaller batch did not fit')
+      rows[name].update(fits=False, error=BPTT_SKIPPED)
       continue
     trainer = _first_epoch(lambda: _Trainer(name, workload, shape, budget), host, rows[name])
     if trainer is not None:
@@ -343,17 +344,22 @@ def _record(timed, rounds: int, rows: Dict[str, dict]) -> None:
 def measure_device(workloads: Sequence[str] = WORKLOADS, shape: Shape = ACCELERATOR['shape'],
                    batches: Sequence[int] = ACCELERATOR['batches'], epoch: int = 8, rounds: int = 3,
                    budget: Optional[int] = None, peak_size: Optional[int] = None,
-                   done_batch: Optional[Callable[[dict], None]] = None) -> dict:
+                   done_batch: Optional[Callable[[dict], None]] = None,
+                   bptt_refused: Optional[Dict[str, int]] = None) -> dict:
   """Every workload at every batch size (:func:`measure_batch`), with the device, its peak and the settings;
-  ``done_batch(run)`` receives the run so far after each batch size (a run cut short keeps what it measured)."""
+  ``done_batch(run)`` receives the run so far after each batch size (a run cut short keeps what it measured).
+  ``bptt_refused``: per workload, the smallest batch whose bp.BPTT step an earlier call of the same settings found
+  too large for the device: bp.BPTT is not tried again at it or above (its reference is the stored one)."""
   run = {'shape': list(shape), 'batches': list(batches), 'epoch': epoch, 'rounds': rounds, 'budget': budget,
          'peak': measure_peak(peak_size), 'rows': []}
   for workload in workloads:
-    bptt_fits = True
-    for batch in batches:
+    refused = (bptt_refused or {}).get(workload)
+    for batch in sorted(batches):
+      bptt_fits = refused is None or batch < refused
       done = measure_batch(workload, shape._replace(batch=batch), epoch, rounds, budget, bptt_fits)
       gc.collect()  # the trainers of this batch size and their executables leave the device
-      bptt_fits = bptt_fits and done[0]['fits'] is not False
+      if done[0]['fits'] is False and (refused is None or batch < refused):
+        refused = batch
       for row in done:
         speeds = ', '.join(f'{k} {v:,.0f}' for k, v in row['samples_per_s'].items())
         print(f"{workload} B={batch:<6} {row['trainer']:18} fits={row['fits']!s:5} {row.get('plan', '')}: "
@@ -435,10 +441,30 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   workloads = args.workloads or list(preset['workloads'])
   holds = None if args.holds is None else measure_holds(workloads[0], shape._replace(batch=args.holds))
   write = functools.partial(_write, args.out, facts, budget, holds)
-  run = measure_device(workloads, shape, args.batches or preset['batches'], args.epoch or preset['epoch'],
-                       args.rounds or preset['rounds'], None if budget is None else parse_memory(budget),
-                       preset.get('peak_size'), done_batch=write)
+  epoch, rounds = args.epoch or preset['epoch'], args.rounds or preset['rounds']
+  settings = {'shape': list(shape), 'epoch': epoch, 'rounds': rounds, 'budget': budget}
+  run = measure_device(workloads, shape, args.batches or preset['batches'], epoch, rounds,
+                       None if budget is None else parse_memory(budget), preset.get('peak_size'), done_batch=write,
+                       bptt_refused=stored_refusals(args.out, facts, settings))
   return write(run)
+
+
+def stored_refusals(out: str, facts: dict, settings: dict) -> Dict[str, int]:
+  """Per workload, the smallest batch whose bp.BPTT step the device refused, in the run that ``out``'s
+  accelerator.json holds for this device with the same ``settings`` (shape, epoch, rounds, budget): a call that
+  measures larger batches reuses bp.BPTT's reference instead of compiling its refused step again."""
+  stored = os.path.join(out, 'accelerator.json')
+  if not os.path.exists(stored):
+    return {}
+  with open(stored) as f:
+    before = json.load(f).get('runs', {}).get(_key(facts))
+  if not before or any(before.get(k) != v for k, v in settings.items()):
+    return {}
+  refused: Dict[str, int] = {}
+  for row in before['rows']:
+    if row['trainer'] == 'bp.BPTT' and row['fits'] is False and memory_refusal(ValueError(row['error'] or '')):
+      refused[row['workload']] = min(row['batch'], refused.get(row['workload'], row['batch']))
+  return refused
 
 
 def _write(out: str, facts: dict, budget, holds: Optional[List[dict]], run: dict) -> dict:

@@ -360,6 +360,12 @@ the first epoch, and samples/s over epochs of 16 batches through `fit`:
 - **on the device**: the same batches made on the device beforehand; no copy, the step's own speed (only where
   a batch takes at most 30% of the device: a larger one cannot sit there beside its step).
 
+On a machine whose commands are limited in time (the TPU's 10-minute calls) the run is its calls in sequence,
+each a subset of the batch sizes that adds its rows to `accelerator.json` (same device and settings): `--batches
+2048 4096 8192` then `--batches 16384 32768` then `--batches 65536` (with `--holds 4096` in any one of them).
+bp.BPTT's reference is measured once: a call above the batch whose bp.BPTT step an earlier call found too large
+does not compile it again.
+
 The ratios against bp.BPTT's best speed on device batches are the issue's measure. `--holds BATCH` also trains
 one batch after planning it with 60% and 30% of the device held by an array. FLOP/s count the matmuls:
 `6 B T (I H + H H + H O)` a train step. "Bytes" are XLA's compile-time figure of the train step (arguments,

@@ -85,3 +85,39 @@ def test_quick_device_part_times_bptt_where_it_fits_and_stops_it_where_it_does_n
     assert rows[workload, 16, 'bp.BPTT']['fits'] is False
     for batch in (8, 16):
       _check_trained(rows, workload, batch)
+
+
+def _fake_batch(calls):
+  """measure_batch's rows without running anything: bp.BPTT fits up to 8 samples (refused above), AccumBPTT
+  everywhere; each call recorded as (batch, whether bp.BPTT was tried)."""
+
+  def measure(workload, shape, epoch, rounds, budget, bptt_fits=True):
+    calls.append((shape.batch, bptt_fits))
+    rows = []
+    for name in device.TRAINERS:
+      fits = name != 'bp.BPTT' or (shape.batch <= 8 if bptt_fits else False)
+      error = None if fits else REFUSAL if bptt_fits else device.BPTT_SKIPPED
+      rows.append({'workload': workload, 'batch': shape.batch, 'trainer': name, 'fits': fits, 'error': error,
+                   'epoch_s': {}, 'interleaved': True, 'model_flops': 1., 'first_epoch_s': 1.,
+                   'samples_per_s': {device_report.DEVICE: 100. * shape.batch} if fits else {},
+                   'plan': f'batch {shape.batch}', 'micro_batches': 1, 'bytes': shape.batch})
+    return rows
+
+  return measure
+
+
+def test_calls_of_a_subset_add_their_rows_and_reuse_the_stored_bptt_refusal(tmp_path, monkeypatch):
+  """A device whose calls are short measures its batch sizes in several calls (``--batches``): each adds its
+  rows to the stored run of the same settings, and a call above the batch whose bp.BPTT step the device refused
+  in an earlier call does not try bp.BPTT again (its reference is the stored one)."""
+  calls = []
+  monkeypatch.setattr(device, 'measure_batch', _fake_batch(calls))
+  monkeypatch.setattr(device, 'measure_peak', lambda size=None: {'float32': 1e12, 'bfloat16': 2e12})
+  for batches in (['8', '16'], ['32']):
+    device.main(['--quick', '--workloads', 'rnn_ce', '--batches', *batches, '--out', str(tmp_path)])
+  assert calls == [(8, True), (16, True), (32, False)]
+  _, run, rows = _rows(tmp_path)
+  assert sorted({batch for _, batch, _ in rows}) == [8, 16, 32] and len(run['commands']) == 2
+  assert rows['rnn_ce', 32, 'bp.BPTT']['error'] == device.BPTT_SKIPPED
+  device.main(['--quick', '--workloads', 'rnn_ce', '--batches', '16', '--rounds', '3', '--out', str(tmp_path)])
+  assert calls[-1] == (16, True)  # other settings: nothing reused
