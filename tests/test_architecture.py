@@ -116,13 +116,15 @@ def trainer_module_sizes() -> Dict[str, int]:
 
 
 def loop_arguments() -> Dict[str, List[str]]:
-  """The arguments, ``self`` aside, of every function and method of the fit loop's module."""
+  """The arguments, ``self`` aside, of every function and method of the fit loop's module and of the first-batch
+  check's life in it (``_fit_check.py``), by ``module:name``."""
   found = {}
-  for node in ast.walk(ast.parse(LOOP.read_text())):
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-      args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-      found[node.name] = [a.arg for a in args if a.arg not in ('self', 'cls')] + (
-        [node.args.vararg.arg] if node.args.vararg else []) + ([node.args.kwarg.arg] if node.args.kwarg else [])
+  for module in (LOOP, LOOP.parent / '_fit_check.py'):
+    for node in ast.walk(ast.parse(module.read_text())):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+        found[f'{module.stem}:{node.name}'] = [a.arg for a in args if a.arg not in ('self', 'cls')] + (
+          [node.args.vararg.arg] if node.args.vararg else []) + ([node.args.kwarg.arg] if node.args.kwarg else [])
   return found
 
 

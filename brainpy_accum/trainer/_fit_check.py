@@ -5,6 +5,7 @@ and :class:`FitCheck`, which says when, so that the fit loop holds one object an
 """
 
 import contextlib
+from typing import ContextManager, Optional
 
 __all__ = ['NO_CHECK', 'FitCheck', 'PendingCheck']
 
@@ -90,16 +91,18 @@ class FitCheck:
       self.pending.start()
 
   @contextlib.contextmanager
-  def stepping(self, phase: str, inputs, targets, streamed: bool = False, within=None):
+  def stepping(self, phase: str, inputs, targets, piece: Optional[ContextManager] = None):
     """Around a training step (and whatever the loop dispatches with it): a check not pending yet is made for
-    this batch (``streamed``: its first piece, ``inputs, targets``; made ``within`` that context, if given) and,
-    for a streamed piece, started before it; after the step, one started before gives its warnings, else it is
-    traced now, beside the step just dispatched. If the step raises, the check is waited for without its report."""
+    this batch and, for the first piece of a streamed batch (``piece``: the context its check is made in, the
+    model state of ``inputs, targets``; ``contextlib.nullcontext()`` where they are the piece's own), started
+    before it; after the step, one started before gives its warnings, else it is traced now, beside the step just
+    dispatched. If the step raises, the check is waited for without its report."""
     if phase != 'fit':
       yield
       return
+    streamed = piece is not None
     if self.pending is NO_CHECK:
-      with within or contextlib.nullcontext():
+      with piece or contextlib.nullcontext():
         self.pending = self.owner.pending(self.shared_args, inputs, targets, streamed=streamed)
         if streamed:
           self.pending.start()

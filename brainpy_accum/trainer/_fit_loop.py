@@ -224,9 +224,9 @@ class FitLoop:
     the pieces combine like micro-batches, so samples the step trains in one piece are still checked cut in two.
     A piece of one sample: the check takes the batch's first two samples (and their model state)."""
     if size >= 2:
-      return self.check.stepping('fit', *data, streamed=True)
+      return self.check.stepping('fit', *data, piece=contextlib.nullcontext())
     first_two = host_pieces(batch.inputs, batch.targets, batch.layout, 2)[0][2]()
-    return self.check.stepping('fit', *first_two, streamed=True, within=states.first_samples(2))
+    return self.check.stepping('fit', *first_two, piece=states.first_samples(2))
 
   def _step(self, kind: str, data: tuple, size: int, batch: Batch) -> Tuple[Any, dict]:
     """Run one compiled step on ``data`` (``size`` samples of ``batch``; again, cut finer, after running out of
