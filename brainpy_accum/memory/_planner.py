@@ -319,8 +319,10 @@ class Planner:
       return self.memory_plans[batch_size][0]
     request = _Request(layout, shared_args, inputs, targets, step_time, self.compilers)
     self._in_hand = _device_bytes(inputs, targets)
-    if streams and batch_size > 1 and self.model.ahead_bytes(inputs, targets) and not self._fits_whole(request):
-      return self._pieces(request)  # a host batch sent ahead, not in one micro-batch: in pieces of one
+    if streams and batch_size > 1 and self.model.ahead_bytes(inputs, targets):
+      pieces = self._pieces(request)  # a host batch sent ahead, not in one micro-batch: in pieces of one
+      if pieces is not None:
+        return pieces
     fixed = self.model.fixed_bytes(inputs, targets)
     if streams and batch_size > 1 and fixed > self.budget:
       # arithmetic, no compilation: the step's arguments and updated parameters alone exceed the budget,
@@ -542,7 +544,7 @@ class Planner:
         remat=False if self.remat == 'auto' else None)
       return memory_parts(self.compilers.step_bytes(one, *request.batch, False))[0] <= self.budget
 
-  def _pieces(self, request: _Request) -> MicroBatchPlan:
+  def _pieces(self, request: _Request) -> Optional[MicroBatchPlan]:
     """A host batch on a device that data is sent to ahead, whose step does not fit in one micro-batch: streamed
     in pieces of one micro-batch each, each sent while the one before computes, so that the device holds the
     running step and one piece more, never the whole batch. The piece is the largest micro-batch (of the
@@ -550,12 +552,34 @@ class Planner:
     the window fits beside the next piece and the whole batch's model state, which streaming keeps twice
     (:class:`~brainpy_accum.memory._stream.StreamedStates`), within :data:`PIECE_FILL` of the budget where one
     does (room for the device's own allocations), and of those near it one that divides the batch
-    (:func:`_even_piece`)."""
+    (:func:`_even_piece`). The piece size goes in the plan cache, beside the pieces' own plans, so that a rerun
+    skips the probe of the whole step and the search. ``None`` where the step fits in one micro-batch."""
     batch_size, budget = request.layout.batch_size, self.budget
     search = ChunkSearch(request.layout, request.batch, budget, self.compilers, self.model, remat_options=(None,),
                          plan_chunk=functools.partial(self._chunk_micro_batch, request))
     states = 2 * state_bytes(self.model.batched(batch_size), batch_size)  # (at the batch size: before a reset too)
+    key = None if request.step_time is not None else self._key(*request.batch, False)
+    key = None if key is None else dict(key, pieces=True)  # the choice of piece, beside the batch's own plans
+    with values_restored(self.model.variables(), any_shape=True):  # resets draw random numbers: all put back
+      piece = self._cached_piece(key, batch_size, search, states)
+      if piece is None:
+        if self._fits_whole(request):
+          return None
+        piece = self._largest_piece(request, search, states)
+        if piece is not None:
+          self._store(key, {'piece': piece})
+    if piece is None:
+      return self._stream(request, None)  # no piece of one micro-batch fits: chunks, or the error that says why
+    self.piece_sizes.add(batch_size)
+    self._beside[piece] = max(self._beside.get(piece, 0), states)  # what recheck_budget counts beside its step
+    return self._streamed_in(batch_size, piece, search.unkept,
+                             f'streamed from the host in pieces of {piece}, each sent to the device while the one '
+                             f'before computes')
 
+  def _largest_piece(self, request: _Request, search: ChunkSearch, states: int) -> Optional[int]:
+    """The piece to stream a batch in (see :meth:`_pieces`), planned; ``None`` if no piece of one micro-batch fits
+    beside the next piece and the batch's model state (``states`` bytes)."""
+    batch_size, budget = request.layout.batch_size, self.budget
     measured: Dict[int, int] = {}
 
     def measure(size):  # the piece's step through the window, the next piece sent ahead, the batch's states
@@ -566,19 +590,11 @@ class Planner:
           self.compilers.step_bytes(plan, request.shared_args, *chunk_data, True))[0]
       return measured[size]
 
-    with values_restored(self.model.variables(), any_shape=True):  # resets draw random numbers: all put back
-      sizes = [size for size in candidate_micro_batch_sizes(batch_size) if size < batch_size]
-      roomy = min(budget, int(PIECE_FILL * budget) + states)  # room for the device's allocations, where it can
-      found = largest_fitting(sizes, roomy, measure) or largest_fitting(sizes, budget, measure)
-      piece = None if found is None else _even_piece(batch_size, found[0], sizes)
-      micro = None if piece is None else search.micro_batch_of(piece)
-    if micro is None:
-      return self._stream(request, None)  # no piece of one micro-batch fits: chunks, or the error that says why
-    self.piece_sizes.add(batch_size)
-    self._beside[piece] = max(self._beside.get(piece, 0), states)  # what recheck_budget counts beside its step
-    return self._streamed_in(batch_size, piece, search.unkept,
-                             f'streamed from the host in pieces of {piece}, each sent to the device while the one '
-                             f'before computes')
+    sizes = [size for size in candidate_micro_batch_sizes(batch_size) if size < batch_size]
+    roomy = min(budget, int(PIECE_FILL * budget) + states)  # room for the device's allocations, where it can
+    found = largest_fitting(sizes, roomy, measure) or largest_fitting(sizes, budget, measure)
+    piece = None if found is None else _even_piece(batch_size, found[0], sizes)
+    return None if piece is None or search.micro_batch_of(piece) is None else piece
 
   def _stream(self, request: _Request, error: Optional[ValueError]) -> MicroBatchPlan:
     """The batch's data does not fit beside its step: stream it from the host in chunks (the chunk size:
@@ -693,6 +709,26 @@ class Planner:
     self._largest_micro[batch_size] = max(plan.micro_batch_size, entry.get('largest', plan.micro_batch_size))
     self._set_plan(batch_size, plan, used, planned, cached=True, unkept=unkept)
     return True
+
+  def _cached_piece(self, key: Optional[dict], batch_size: int, search: ChunkSearch, states: int) -> Optional[int]:
+    """The piece size an earlier run chose to stream a batch in (:meth:`_pieces`), if the plan cache has it and
+    the piece's step, planned again (from the cache too: compiled and measured), still runs in one micro-batch
+    beside the next piece and the batch's model state (``states`` bytes); else ``None``."""
+    entry = None if key is None else self.cache.get(key)
+    if entry is None:
+      return None
+    piece = entry.get('piece')
+    if (not isinstance(piece, int) or isinstance(piece, bool) or piece >= batch_size
+            or piece not in candidate_micro_batch_sizes(batch_size)):
+      warnings.warn(f'plan cache: ignored an entry for batch {batch_size} streamed in pieces that does not name a '
+                    f'piece size of it; planning anew.', UserWarning, stacklevel=2)
+      return None
+    if search.micro_batch_of(piece) is None or self.memory_plans[piece][0].num_micro_batches != 1 or (
+            self.memory_plans[piece][1] + states > self.budget):
+      warnings.warn(f'plan cache: the cached piece size {piece} for batch {batch_size} does not fit '
+                    f'{self.budget_of.describe()} now; planning anew.', UserWarning, stacklevel=2)
+      return None
+    return piece
 
   def _cached_chunk(self, key: Optional[dict], batch_size: int, micro_batch_of: Callable[[int], Optional[int]]
                     ) -> Optional[int]:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT, compiled_step_bytes, plan_micro_batches
+from brainpy_accum.trainer._feed import sends_ahead
 from helpers import assert_trees_close, make_model, params_of
 
 pytestmark = pytest.mark.accelerator
@@ -86,6 +87,9 @@ def test_a_budget_given_as_a_share_of_the_device():
 def test_planning_a_batch_the_device_cannot_hold_whole_cuts_it_without_an_error(too_large):
   """The whole batch's step is too large for the device: XLA refuses to compile it (a TPU) or sizes it above
   the device (a GPU). ``plan_memory`` takes that as 'does not fit' and cuts the batch, and fit trains the plan.
+  Its NumPy data is sent to the device ahead, so the batch streams in pieces of one micro-batch, and
+  ``plan_memory`` gives the plan of the step that runs, a piece's (its CPU twin, on a simulated device:
+  ``test_device.py``'s ``test_auto_without_a_budget_plans_against_the_device_and_trains_as_bptt[pieces]``).
 
   The reference: the same batch cut twice as finely, on the device. bp.BPTT cannot run this batch there, and a
   smaller batch that it can run would not need the refusal; that every cut trains as bp.BPTT on the whole
@@ -101,7 +105,8 @@ def test_planning_a_batch_the_device_cannot_hold_whole_cuts_it_without_an_error(
   else:
     assert whole > limit, (whole, limit)
   plan = trainer.plan_memory(x, y)  # no out-of-memory error
-  assert plan.num_micro_batches > 1
+  assert trainer.num_micro_batch_for(len(x)) > 1 and (len(x) in trainer.stream_chunks) == sends_ahead()
+  assert trainer.memory_plans[plan.batch_size][1] <= limit  # the step that runs: a piece's (or the cut batch's)
   trainer.fit([(x, y)], num_epoch=1)
   finer = _trainer(num_micro_batch=2 * trainer.num_micro_batch_for(len(x)))
   finer.fit([(x, y)], num_epoch=1)

@@ -14,7 +14,8 @@ import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.memory._device import DEVICE_MARGIN, Budget
-from helpers import SIMULATED_DEVICE, assert_trees_close, make_batches, make_model, optimizer_state, params_of
+from helpers import (SIMULATED_DEVICE, assert_trees_close, make_batches, make_model, optimizer_state, params_of,
+                     tpu_tiles)
 from brainpy_accum.trainer._feed import overlapping, prefetch_bytes
 from simulated_device import simulated_device
 from test_stream import _batches as stream_batches, _budget as stream_budget, _model as stream_model
@@ -62,14 +63,27 @@ def sizes():
   return {'whole': whole, 'half': half, 'quarter': quarter, 'limit': limit}
 
 
-def test_auto_without_a_budget_plans_against_the_device_and_trains_as_bptt(monkeypatch, sizes, capsys):
+@pytest.mark.parametrize('as_on_a_tpu', [False, True], ids=['cut', 'pieces'])
+def test_auto_without_a_budget_plans_against_the_device_and_trains_as_bptt(monkeypatch, sizes, capsys, as_on_a_tpu):
+  """The whole batch's step does not fit the device: it is refused, planning takes that as 'does not fit', and the
+  batch is cut, with no error; training equals bp.BPTT's. ``as_on_a_tpu``: batches sent to the device ahead and
+  sizes in a TPU's tiles, the path of ``test_accelerator.py``'s batch that the chip cannot hold whole: the NumPy
+  batch streams in pieces of one micro-batch, each step within the device's budget."""
   batches = _batches()
-  with simulated_device(monkeypatch, sizes['limit'], in_use=1000) as refused:
+  if as_on_a_tpu:
+    tpu_tiles(monkeypatch)
+  with overlapping(as_on_a_tpu), simulated_device(monkeypatch, sizes['limit'], in_use=1000) as refused:
     trainer = _trainer(num_micro_batch='auto', cache=False)
+    plan = trainer.plan_memory(*batches[0])  # no out-of-memory error
     trainer.fit(batches, num_epoch=2)
   budget = trainer.planner.budget
   assert budget <= (1 - DEVICE_MARGIN) * sizes['limit'] and budget >= sizes['half']
-  assert trainer.memory_budget is None and trainer.plan_for(SIZE).num_micro_batches == 2
+  assert trainer.memory_budget is None and trainer.num_micro_batch_for(SIZE) > 1
+  assert (SIZE in trainer.stream_chunks) == as_on_a_tpu  # on a GPU or TPU, a NumPy batch streams in pieces
+  assert trainer.memory_plans[plan.batch_size][1] <= budget  # the step that runs: the batch's, or a piece's
+  assert all(used <= budget for _, used in trainer.memory_plans.values())
+  if not as_on_a_tpu:
+    assert plan.num_micro_batches == 2
   assert refused and min(refused) >= sizes['whole']  # the whole batch's step was refused, as measured on the CPU
   out = capsys.readouterr().out
   assert "of the device's memory (" in out and 'TPU (simulated on the CPU)' in out

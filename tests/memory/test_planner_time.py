@@ -8,7 +8,7 @@ import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.memory._fastest import choose_fastest_plan, finer_sizes
-from helpers import NO_DEVICE_LIMIT, TINY_SIZES, assert_trees_close, make_batches, make_model, params_of
+from helpers import NO_DEVICE_LIMIT, TINY_SIZES, assert_trees_close, make_batches, make_model, params_of, tpu_tiles
 
 FIT = bp.tools.DotDict(fit=True)
 NUM_TIME = 60
@@ -68,23 +68,34 @@ def test_remat_auto_without_a_budget_is_named():
     _trainer(num_micro_batch='auto', remat='auto')
 
 
-def test_fastest_plan_is_remat_when_micro_batches_cost_more():
+# The largest micro-batch of a batch of 64 whose step (4 bytes a sample, remat 1) fits 100 bytes: 25 samples would,
+# of the sizes the planner tries: ceil(64 / 3) = 22 where every size is tried (a CPU, a GPU), 24 (22 rounded up to
+# a multiple of 8) where sizes are rounded to a TPU's tiles.
+LARGEST_WITHOUT_REMAT = {1: 22, 128: 24}
+
+
+@pytest.mark.parametrize('tile', sorted(LARGEST_WITHOUT_REMAT), ids=['every-size', 'tpu-tiles'])
+def test_fastest_plan_is_remat_when_micro_batches_cost_more(monkeypatch, tile):
+  tpu_tiles(monkeypatch, tile)
   need = lambda size, remat: size * (1 if remat else 4)
   cost = lambda pairs: micro_batches_cost_more_than_remat(
     [plan_micro_batches(64, micro_batch_size=s)._replace(remat=r) for s, r in pairs])
   chosen, weighed = choose_fastest_plan(64, 100, need, cost)
   assert (chosen.micro_batch_size, chosen.remat, chosen.fits) == (64, True, True)
   assert all(c.bytes <= 100 for c in weighed if c.fits) and any(not c.fits for c in weighed)
-  # remat is weighed only above the largest micro-batch that fits without it (22 samples)
+  # remat is weighed only above the largest micro-batch that fits without it
+  assert max(c.micro_batch_size for c in weighed if not c.remat and c.fits) == LARGEST_WITHOUT_REMAT[tile]
   assert {c.micro_batch_size for c in weighed if c.remat and c.fits} == {64, 32}
 
 
-def test_fastest_plan_keeps_micro_batches_when_remat_costs_more():
+@pytest.mark.parametrize('tile', sorted(LARGEST_WITHOUT_REMAT), ids=['every-size', 'tpu-tiles'])
+def test_fastest_plan_keeps_micro_batches_when_remat_costs_more(monkeypatch, tile):
+  tpu_tiles(monkeypatch, tile)
   need = lambda size, remat: size * (1 if remat else 4)
   cost = lambda pairs: remat_costs_more_than_micro_batches(
     [plan_micro_batches(64, micro_batch_size=s)._replace(remat=r) for s, r in pairs])
   chosen, _ = choose_fastest_plan(64, 100, need, cost)
-  assert (chosen.micro_batch_size, chosen.remat) == (22, False)
+  assert (chosen.micro_batch_size, chosen.remat) == (LARGEST_WITHOUT_REMAT[tile], False)
 
 
 def test_fastest_plan_times_only_fitting_plans_and_names_the_budget_that_would_fit():

@@ -18,6 +18,8 @@ from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting
 from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
 from brainpy_accum.memory._plan_key import _code
+from brainpy_accum.memory._stream import chunk_sizes
+from brainpy_accum.trainer._feed import overlapping
 from helpers import TINY_SIZES, assert_trees_close, make_batches, make_model, params_of
 
 FIT = bp.tools.DotDict(fit=True)
@@ -127,21 +129,47 @@ def test_predicted_plan_fits_by_xla_and_trains_as_the_same_fixed_plan(data, rema
   assert_trees_close(params_of(model), _fit_fixed(plan.micro_batch_size, batches, bool(plan.remat)))
 
 
-def test_cached_plan_is_measured_again_and_trains_as_the_fixed_plan(data, tmp_path, capsys):
+def _recorded_probes(trainer) -> list:
+  """The list of the plans that ``trainer``'s planner probes quickly from now on (a search's probes)."""
+  probes, compilers = [], trainer.planner.compilers
+  trainer.planner.compilers = compilers._replace(
+    step_bytes=lambda *args, **kwargs: probes.append(args[0]) or compilers.step_bytes(*args, **kwargs))
+  return probes
+
+
+def _steps_of(trainer, size: int) -> int:
+  """The train steps a batch of ``size`` runs: one, or one per piece size where it is streamed."""
+  chunk = trainer.stream_chunks.get(size)
+  return 1 if chunk is None else len(set(chunk_sizes(size, chunk)))
+
+
+@pytest.mark.parametrize('sent_ahead', [False, True], ids=['whole', 'pieces'])
+def test_cached_plan_is_measured_again_and_trains_as_the_fixed_plan(data, tmp_path, capsys, sent_ahead):
+  """A rerun takes every plan from the cache (each step compiled again and measured, no search) and writes
+  nothing new. Where the batch is sent to the device ahead (an accelerator's path, forced here on any device),
+  its step in one micro-batch does not fit beside the next batch: it streams in pieces, and the cache holds the
+  piece size beside the pieces' plans (one for each piece size: a shorter last one has its own). (A spoilt
+  cached piece size: ``test_stream.py``'s ``test_streamed_rerun_takes_its_chunk_from_the_plan_cache[pieces]``.)"""
   batches, budget, _ = data
-  first = _trainer(num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
-  first.fit(batches[:1], num_epoch=1)
-  assert len(os.listdir(tmp_path / 'plans')) == 1
+  with overlapping(sent_ahead):
+    first = _trainer(num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
+    first.fit(batches[:1], num_epoch=1)
+  written = sorted(os.listdir(tmp_path / 'plans'))
+  assert (SIZE in first.stream_chunks) == sent_ahead
+  assert len(written) == (1 + _steps_of(first, SIZE) if sent_ahead else 1)  # the pieces' size and plans
   capsys.readouterr()
 
   model = _model()
   rerun = _trainer(model, num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
-  with count_compilations() as compiled:
+  probes = _recorded_probes(rerun)
+  with overlapping(sent_ahead), count_compilations() as compiled:
     rerun.fit(batches, num_epoch=1)
   assert 'from the plan cache' in capsys.readouterr().out
-  plan, used = rerun.memory_plans[SIZE]
-  assert plan == first.memory_plans[SIZE][0] and used <= budget
-  assert rerun.compilations['fit'] == 1 and compiled() <= 3  # the step (measured again), the loss check
+  assert probes == [] and sorted(os.listdir(tmp_path / 'plans')) == written  # nothing searched or written anew
+  plan, steps = rerun.plan_for(SIZE), _steps_of(rerun, SIZE)
+  assert plan == first.plan_for(SIZE) and rerun.stream_chunks == first.stream_chunks
+  assert all(used <= budget for _, used in rerun.memory_plans.values())
+  assert rerun.compilations['fit'] == steps and compiled() <= steps + 2  # the steps (measured again), the loss check
   assert_trees_close(params_of(model), _fit_fixed(plan.micro_batch_size, batches))
 
 
@@ -162,13 +190,16 @@ def _write_entry(tmp_path, change):
   (lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], micro_batch_size='x'))), 'does not describe'),
 ])
 def test_corrupt_foreign_or_stale_entries_are_ignored_with_a_note_and_replanned(data, tmp_path, change, note):
+  """The batch's own plan, one entry, on every device: its data is handed to its step, not sent ahead (where it
+  is sent ahead it streams in pieces: ``test_stream.py`` spoils their cached piece size)."""
   _write_entry.data = data
   batches, budget, _ = data
-  path = _write_entry(tmp_path, change)
-  model = _model()
-  trainer = _trainer(model, num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
-  with pytest.warns(UserWarning, match=f'plan cache: .*{note}') as notes:
-    trainer.fit(batches, num_epoch=1)
+  with overlapping(False):
+    path = _write_entry(tmp_path, change)
+    model = _model()
+    trainer = _trainer(model, num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
+    with pytest.warns(UserWarning, match=f'plan cache: .*{note}') as notes:
+      trainer.fit(batches, num_epoch=1)
   assert len([n for n in notes if 'plan cache' in str(n.message)]) == 1
   plan, used = trainer.memory_plans[SIZE]
   assert plan.micro_batch_size == 8 and used <= budget

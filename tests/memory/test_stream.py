@@ -19,6 +19,7 @@ from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.memory._budget import candidate_micro_batch_sizes, step_memory
 from brainpy_accum.memory._stream import best_chunk, chunk_candidates, chunk_sizes, combine
+from brainpy_accum.trainer._feed import overlapping
 from helpers import (TINY_SIZES, assert_trees_close, make_batches, make_model, optimizer_state, params_of, step_bytes,
                      streaming_budget)
 from test_training_loop import windows
@@ -178,35 +179,40 @@ def test_streamed_carried_states_and_windows_train_as_bptt():
   assert_trees_close(params_of(trainer.target), params_of(reference.target))
 
 
-def test_streamed_rerun_takes_its_chunk_from_the_plan_cache(tmp_path, capsys):
+@pytest.mark.parametrize('sent_ahead', [False, pytest.param(True, marks=pytest.mark.long)], ids=['chunks', 'pieces'])
+def test_streamed_rerun_takes_its_chunk_from_the_plan_cache(tmp_path, capsys, sent_ahead):
   """A rerun streams in the chunk size that the first run chose, without the chunk search's probes: the
   chunk's plan comes from the cache, its step compiled again and measured, and training is the same. A
-  cached choice that names no chunk size of the batch is ignored with a note, and the search runs again."""
+  cached choice that names no chunk size of the batch is ignored with a note, and the search runs again. Where
+  data is sent to the device ahead (an accelerator's path, forced here on any device: the README suite's case
+  is ``test_startup.py``'s), the batch streams in pieces of one micro-batch and the piece size is cached alike."""
   batches = _batches((24,))
   budget = streaming_budget([_probe(_model())], batches)
   options = dict(progress_bar=False, num_micro_batch='auto', memory_budget=budget, cache=tmp_path)
   trainer = lambda: AccumBPTT(_model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.01), **options)
-  first = trainer()
-  first.fit(batches, num_epoch=1)
-  chunk = first.stream_chunks[24]
-  capsys.readouterr()
+  with overlapping(sent_ahead):
+    first = trainer()
+    first.fit(batches, num_epoch=1)
+    chunk = first.stream_chunks[24]
+    capsys.readouterr()
 
-  rerun = trainer()
-  probes, compilers = [], rerun.planner.compilers
-  rerun.planner.compilers = compilers._replace(
-    step_bytes=lambda *args, **kwargs: probes.append(args[0]) or compilers.step_bytes(*args, **kwargs))
-  rerun.fit(batches, num_epoch=1)
-  assert rerun.stream_chunks[24] == chunk and probes == []
-  assert 'from the plan cache' in capsys.readouterr().out
-  assert_trees_close(params_of(rerun.target), params_of(first.target))
+    rerun = trainer()
+    probes, compilers = [], rerun.planner.compilers
+    rerun.planner.compilers = compilers._replace(
+      step_bytes=lambda *args, **kwargs: probes.append(args[0]) or compilers.step_bytes(*args, **kwargs))
+    rerun.fit(batches, num_epoch=1)
+    assert rerun.stream_chunks[24] == chunk and probes == []
+    assert 'from the plan cache' in capsys.readouterr().out
+    assert_trees_close(params_of(rerun.target), params_of(first.target))
 
-  for path in (tmp_path / 'plans').iterdir():
-    entry = json.loads(path.read_text())
-    if entry['key'].get('streamed'):
-      path.write_text(json.dumps(dict(entry, plan={'stream_chunk': 5})))  # 24 is cut into 12, 6, 3, 2 or 1
-  third = trainer()
-  with pytest.warns(UserWarning, match='plan cache: .*does not name a chunk size'):
-    third.fit(batches, num_epoch=1)
+    kind, field, cut = ('pieces', 'piece', 'piece') if sent_ahead else ('streamed', 'stream_chunk', 'chunk')
+    for path in (tmp_path / 'plans').iterdir():
+      entry = json.loads(path.read_text())
+      if entry['key'].get(kind):
+        path.write_text(json.dumps(dict(entry, plan={field: 25})))  # more samples than the batch holds
+    third = trainer()
+    with pytest.warns(UserWarning, match=f'plan cache: .*does not name a {cut} size'):
+      third.fit(batches, num_epoch=1)
   assert third.stream_chunks[24] == chunk
   assert_trees_close(params_of(third.target), params_of(first.target))
 

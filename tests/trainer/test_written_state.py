@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import Mesh
 
 from brainpy_accum import AccumBPTT, micro_batched_grad
+from brainpy_accum.trainer._feed import overlapping
 from helpers import TINY_SIZES, assert_trees_close, step_bytes, streaming_budget
 from written_models import EINetwork, WrittenLayer, dale
 
@@ -235,13 +236,17 @@ def test_micro_batched_grad_restarts_written_states():
       assert_trees_close((grads, w.value, record.value), (expected, expected_w, expected_record))
 
 
-def test_a_streamed_evaluation_puts_written_states_back_between_its_chunks():
+@pytest.mark.parametrize('sent_ahead', [False, True], ids=['chunks', 'pieces'])
+def test_a_streamed_evaluation_puts_written_states_back_between_its_chunks(sent_ahead):
   """An evaluation batch streamed in chunks has no window to put back what the forward pass wrote: the chunks
   start from the batch's values as the micro-batches of an evaluation step do, so a time-step counter counts one
-  batch, not one batch per chunk (found in review: 15 steps against bp.BPTT's 10)."""
+  batch, not one batch per chunk (found in review: 15 steps against bp.BPTT's 10). ``sent_ahead``: data sent to
+  the device ahead, an accelerator's path (forced here on any device), where the batch streams in pieces of one
+  micro-batch."""
   probe = AccumBPTT(build('clip'), bp.losses.mean_squared_error, num_micro_batch='auto', memory_budget='1GiB')
   budget = streaming_budget([probe], [data()], chunk=2)
   trainers = []
-  params, _ = fit(AccumBPTT, 'clip', test=True, trainers=trainers, num_micro_batch='auto', memory_budget=budget)
-  assert 8 in trainers[0].stream_chunks
+  with overlapping(sent_ahead):
+    params, _ = fit(AccumBPTT, 'clip', test=True, trainers=trainers, num_micro_batch='auto', memory_budget=budget)
+  assert trainers[0].stream_chunks[8] < 8 and (8 in trainers[0].planner.piece_sizes) == sent_ahead
   assert_trees_close(params, reference('clip', test=True))
