@@ -24,6 +24,7 @@ from ..core._cut import MicroBatchPlan, as_int
 from ..core._mesh import auto_axes, check_mesh, mesh_size, place, random_states
 from ..core._shared_env import restores_shared_env
 from ..core._states import batched_variables
+from ..core._written import host_callbacks_run
 from ..diagnostics._compiles import Compilations
 from ..memory._budget import argument_bytes, compiled_step_bytes, fixed_bytes_at_least
 from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
@@ -270,19 +271,10 @@ class AccumBPTT(bp.BPTT):
             f'micro_batch_size={self.micro_batch_size}, grad_reduction={self.grad_reduction!r}, '
             f'optimizer={self.optimizer})')
 
-  def fit(
-      self,
-      train_data: Union[Callable, Iterable],
-      test_data: Optional[Union[Callable, Iterable]] = None,
-      num_epoch: int = 100,
-      num_report: int = -1,
-      reset_state: bool = True,
-      shared_args: Optional[Dict] = None,
-      fun_after_report: Optional[Callable] = None,
-      batch_size: None = None,
-      checkpoint: Optional[Union[str, os.PathLike]] = None,
-      checkpoint_every: Optional[int] = None,
-  ) -> None:
+  def fit(self, train_data: Union[Callable, Iterable], test_data: Optional[Union[Callable, Iterable]] = None,
+          num_epoch: int = 100, num_report: int = -1, reset_state: bool = True, shared_args: Optional[Dict] = None,
+          fun_after_report: Optional[Callable] = None, batch_size: None = None,
+          checkpoint: Optional[Union[str, os.PathLike]] = None, checkpoint_every: Optional[int] = None) -> None:
     """Train on ``train_data`` for ``num_epoch`` epochs, one optimizer update per batch.
 
     The arguments and the recorded metrics are those of :meth:`brainpy.BPTT.fit`; every batch is micro-batched,
@@ -523,6 +515,13 @@ class AccumBPTT(bp.BPTT):
   def f_loss(self):
     """The micro-batched evaluation step (jitted unless ``jit`` says otherwise)."""
     return self._steps.jitted('loss')
+
+  def predict(self, inputs: Any, reset_state: bool = False, shared_args: Optional[Dict] = None,
+              eval_time: bool = False):
+    """:meth:`brainpy.BPTT.predict`; where JAX has no CPU backend (``JAX_PLATFORMS=tpu``), without its per-time-step
+    progress bar, whose host callback inside the compiled run could not run there."""
+    with contextlib.nullcontext() if not self.progress_bar or host_callbacks_run() else self._quiet():
+      return super().predict(inputs, reset_state=reset_state, shared_args=shared_args, eval_time=eval_time)
 
   @restores_shared_env  # the time step's bp.share.save(i=..., t=..., **shared_args) holds tracers: gone at its end
   def _step_func_predict(self, *args, **kwargs):

@@ -102,3 +102,21 @@ def test_the_flags_are_read_with_the_losses_not_after_every_step(monkeypatch):
   trainer = AccumBPTT(build('record'), bp.losses.mean_squared_error, num_micro_batch=2, progress_bar=False)
   trainer.fit([data(seed=s) for s in range(4)], num_epoch=1, num_report=2)
   assert len(reads) == 3, reads
+
+
+@pytest.mark.parametrize('callbacks_run', [True, False], ids=['cpu backend', 'JAX_PLATFORMS=tpu'])
+def test_predict_drops_its_progress_bar_where_no_host_callback_can_run(monkeypatch, bound_callbacks, callbacks_run):
+  """bp.BPTT's ``predict`` updates its per-time-step progress bar by a host callback inside the compiled run,
+  which fails where JAX has no CPU backend (the demo under JAX_PLATFORMS=tpu did, on the TPU v5e): there
+  ``predict`` runs without the bar, and gives what it gives with it."""
+  from brainpy_accum.trainer import _accum_bptt
+  monkeypatch.setattr(_accum_bptt, 'host_callbacks_run', lambda: callbacks_run)
+  trainer = AccumBPTT(build('clip'), bp.losses.mean_squared_error, num_micro_batch=2)  # progress_bar on
+  x, _ = data()
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')  # (tqdm's own)
+    predicted = trainer.predict(x, reset_state=True)
+  assert bool(bound_callbacks) is callbacks_run, bound_callbacks
+  assert trainer.progress_bar
+  quiet = AccumBPTT(build('clip'), bp.losses.mean_squared_error, num_micro_batch=2, progress_bar=False)
+  np.testing.assert_array_equal(np.asarray(predicted), np.asarray(quiet.predict(x, reset_state=True)))
