@@ -14,6 +14,8 @@ MAX_CLASS_LINES, MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_PUBLIC_NAMES, MAX_MOD
 # the fit loop: its module, the other trainer modules, the arguments of its methods (besides self), the fields of
 # the view it has of the trainer and of the trainer's hooks, and the lines that handle the first-batch check
 LOOP = PACKAGE / 'trainer' / '_fit_loop.py'
+# the memory planner composes its parts (the budget, the plan cache's dialogue, streaming) and plans a batch size
+PLANNER, MAX_PLANNER_LINES = PACKAGE / 'memory' / '_planner.py', 500
 MAX_LOOP_LINES, MAX_TRAINER_MODULE_LINES, MAX_LOOP_ARGUMENTS, MAX_VIEW_FIELDS, MAX_HOOKS, MAX_CHECK_LINES = (
   350, 500, 4, 12, 10, 10)
 PARTS = {'StepParts', 'StepOptions', 'CheckParts', 'PlannedModel', 'TrainerHooks', 'LoopView', 'LoopSettings'}
@@ -55,6 +57,12 @@ def trainer_class_lines() -> Dict[str, int]:
 
 def trainer_module_lines() -> int:
   return len((PACKAGE / 'trainer' / '_accum_bptt.py').read_text().splitlines())
+
+
+def module_lines() -> Dict[str, int]:
+  """Lines of every module of the package, by its path."""
+  return {str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
+          for path in sorted(PACKAGE.rglob('*.py'))}
 
 
 def long_functions() -> List[Tuple[int, str]]:
@@ -177,8 +185,13 @@ def test_trainer_class_is_thin():
   assert sum(counts.values()) <= MAX_CLASS_LINES, counts
 
 
-def test_trainer_module_is_readable_in_one_sitting():
+def test_every_module_is_readable_in_one_sitting():
   assert trainer_module_lines() <= MAX_MODULE_LINES
+  assert {path: n for path, n in module_lines().items() if n > MAX_MODULE_LINES} == {}
+
+
+def test_the_planner_composes_its_parts_in_a_short_module():
+  assert len(PLANNER.read_text().splitlines()) <= MAX_PLANNER_LINES
 
 
 def test_no_function_is_long():
@@ -216,7 +229,10 @@ def test_trainer_modules_are_readable_and_parts_are_built_by_keyword():
 
 if __name__ == '__main__':
   print('AccumBPTT class lines (docstrings aside):', trainer_class_lines(), f'(<= {MAX_CLASS_LINES})')
-  print('trainer module lines:', trainer_module_lines(), f'(<= {MAX_MODULE_LINES})')
+  print('trainer module lines:', trainer_module_lines(), f'(<= {MAX_MODULE_LINES}); planner module lines:',
+        len(PLANNER.read_text().splitlines()), f'(<= {MAX_PLANNER_LINES})')
+  print('modules over the limit:', {p: n for p, n in module_lines().items() if n > MAX_MODULE_LINES},
+        f'(<= {MAX_MODULE_LINES})')
   print(f'functions over {MAX_FUNCTION_LINES} lines:', long_functions())
   names = public_names_beyond_bptt()
   print(f'public names beyond bp.BPTT: {len(names)} (<= {MAX_PUBLIC_NAMES})', names)

@@ -5,22 +5,24 @@ the train step ahead of time for candidate micro-batch sizes (no step is
 executed) and keeps the largest micro-batch, i.e. the fewest micro-batches,
 whose compiled step fits the budget. The memory of a compiled step is
 ``argument + output + temp - alias`` bytes of
-``jax.stages.Compiled.memory_analysis()``: deterministic and available on CPU.
+``jax.stages.Compiled.memory_analysis()``: deterministic and available on CPU. The size the search picks is
+then compiled as training runs it, and must fit by that compilation's measure too (:func:`fewest_fitting`).
 """
 
 import math
 import re
-from typing import Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import brainpy.math as bm
 import jax
 import numpy as np
+from tqdm import tqdm
 
-from ..core._cut import is_int
+from ..core._cut import is_int, plan_micro_batches
 
 __all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes', 'state_bytes',
-           'largest_fitting', 'choose_micro_batch_size', 'StepMemory', 'memory_parts', 'step_memory',
-           'argument_bytes', 'fixed_bytes_at_least', 'TooSmall']
+           'largest_fitting', 'choose_micro_batch_size', 'fewest_fitting', 'StepMemory', 'PlannedStep', 'memory_parts',
+           'step_memory', 'argument_bytes', 'fixed_bytes_at_least', 'plural', 'TooSmall']
 
 _UNITS = {'': 1, 'B': 1, 'KB': 10 ** 3, 'MB': 10 ** 6, 'GB': 10 ** 9, 'TB': 10 ** 12,
           'KIB': 2 ** 10, 'MIB': 2 ** 20, 'GIB': 2 ** 30, 'TIB': 2 ** 40}
@@ -48,6 +50,11 @@ def parse_memory(value: Union[int, str]) -> int:
   if size <= 0:
     raise ValueError(f'memory_budget={value!r} must be positive.')
   return size
+
+
+def plural(count: int, noun: str) -> str:
+  """``'1 micro-batch'``, ``'3 micro-batches'``."""
+  return f'{count} {noun}' + ('' if count == 1 else 'es' if noun.endswith('ch') else 's')
 
 
 def format_memory(num_bytes: int) -> str:
@@ -158,6 +165,13 @@ class StepMemory(NamedTuple):
   parameters, the optimizer state, the whole batch's data) does not change with the micro-batch size."""
   total: int
   fixed: int = 0
+
+
+class PlannedStep(NamedTuple):
+  """A train step compiled for one plan, fully optimised, as :meth:`fit` would compile it."""
+  memory: StepMemory        # its memory by XLA's analysis: what verifies that the plan fits
+  run: Callable[[], Any]    # a trial of it that changes nothing (``remat='auto'``'s timing)
+  keep: Callable[[], None]  # make fit run this very executable for the batch size (no second compilation)
 
 
 def memory_parts(value) -> Tuple[int, int]:
@@ -310,3 +324,38 @@ def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int
                    f'one sample need {format_memory(need)} ({need} bytes) for a batch of '
                    f'{batch_size}. Raise memory_budget to at least {need}, or use remat=True.', need)
   return found
+
+
+def fewest_fitting(share: int, budget: int, compilers, batch: tuple, via_window: bool
+                   ) -> Tuple[int, int, Optional[PlannedStep]]:
+  """``(micro_batch_size, bytes, compiled step or None)``: the fewest micro-batches of a share of ``share`` samples
+  whose step fits ``budget``, measured by the planner's ``compilers``
+  (:class:`~brainpy_accum.memory._planner.Compilers`) on ``batch`` (``shared_args, inputs, targets``).
+
+  Sizes the search predicts to be the answer are compiled as training runs them (when fit can run that
+  executable), the others quickly; an answer measured quickly is compiled for training afterwards, and
+  its memory must fit too, else the search goes on below it.
+  """
+  plan_of = lambda size: plan_micro_batches(share, micro_batch_size=size)
+  keepable, kept = compilers.keepable(via_window), {}
+
+  def probe(size):
+    return compilers.step_bytes(plan_of(size), *batch, via_window)
+
+  def compile_for_training(size):
+    kept[size] = compilers.trial(plan_of(size), *batch, via_window)
+    return kept[size].memory
+
+  guess = None if compilers.guess(plan_of(share)) is None else (lambda size: compilers.guess(plan_of(size)))
+  below = None
+  while True:
+    size, used = choose_micro_batch_size(share, budget, probe, below=below, guess=guess,
+                                         measure_pick=compile_for_training if keepable else None)
+    if not keepable:
+      return size, used, None  # fit runs a step of its own (a window, a mesh): the probe's figure is XLA's measure
+    planned = kept.get(size) or compilers.trial(plan_of(size), *batch, via_window)
+    if planned.memory.total <= budget:
+      return size, planned.memory.total, planned
+    tqdm.write(f'memory plan: micro-batches of {size} need {format_memory(planned.memory.total)} compiled for '
+               f'training, not the {format_memory(used)} of the quick compilation; searching below')
+    below = size

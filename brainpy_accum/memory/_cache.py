@@ -8,6 +8,10 @@ JSON file per key; the key holds everything a plan depends on and is stored in t
 for another key (a foreign one), an older format or a file that does not parse is ignored with a one-line
 warning and written anew. Writes go to a temporary file in the same folder and are renamed into place
 (``os.replace``), so two processes writing at once leave one whole entry, never a mix.
+
+:class:`CachedPlans` is a planner's dialogue with that cache: the key of a batch, what it stores, and the plans,
+chunk sizes and piece sizes it reads back, none trusted: each is checked, and measured again by the planner,
+before it is used, else a one-line warning and planning anew.
 """
 
 import hashlib
@@ -15,11 +19,16 @@ import json
 import os
 import tempfile
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import jax
 
-__all__ = ['CACHE_SWITCH', 'CACHE_FOLDER', 'PlanCache', 'cache_folder', 'use_compilation_cache']
+from ..core._cut import MicroBatchPlan, plan_micro_batches
+from ._budget import candidate_micro_batch_sizes, format_memory
+from ._device import PlanBudget
+from ._stream import chunk_candidates
+
+__all__ = ['CACHE_SWITCH', 'CACHE_FOLDER', 'CachedPlans', 'PlanCache', 'cache_folder', 'use_compilation_cache']
 
 CACHE_SWITCH = 'BRAINPY_ACCUM_CACHE'      # '0', 'off', 'false' or 'no': no caches unless a trainer names a folder
 CACHE_FOLDER = 'BRAINPY_ACCUM_CACHE_DIR'  # the folder of both caches
@@ -108,6 +117,120 @@ class PlanCache:
     except (OSError, TypeError, ValueError) as error:
       warnings.warn(f'plan cache: could not write {path} ({type(error).__name__}: {error}); planning is not cached.',
                     UserWarning, stacklevel=2)
+
+
+class CachedPlans:
+  """A planner's dialogue with the plan cache: the key of a batch, the entries it stores, and those it reads back.
+
+  An entry read back is never trusted: one that does not describe a plan (a chunk size, a piece size) of the
+  batch is ignored, and one whose step no longer fits the budget is dropped, each with a one-line warning, and
+  the batch is planned anew. A cached 'does not fit' (the same step measured by an earlier run) raises its error
+  again, for streaming to go on.
+
+  Parameters
+  ----------
+  cache : PlanCache, optional
+    The plans of earlier runs (``None``: plans are not cached).
+  key_of : callable, optional
+    ``key_of(shared_args, inputs, targets, via_window, budget) -> dict``: everything a batch's plan depends on.
+  budget : PlanBudget
+    The budget plans are made against (:class:`~brainpy_accum.memory._device.PlanBudget`): in every key.
+
+  Examples
+  --------
+  >>> from brainpy_accum.memory._cache import CachedPlans
+  >>> CachedPlans(None, None, budget=None).key((None, 'inputs', 'targets'), via_window=False) is None  # no cache
+  True
+  """
+
+  def __init__(self, cache: Optional[PlanCache], key_of: Optional[Callable[..., dict]], budget: PlanBudget):
+    self.cache, self.key_of, self.budget = cache, key_of, budget
+
+  def key(self, batch: tuple, via_window: bool, modelled: bool = False, **kind) -> Optional[dict]:
+    """Everything the plan of ``batch`` (``shared_args, inputs, targets``) depends on, as JSON, with ``kind``
+    (the choice of chunk or piece, beside the batch's own plans); ``None`` where plans are not cached: no cache,
+    or ``modelled``, a plan timed by a model."""
+    if self.cache is None or self.key_of is None or modelled:
+      return None
+    return dict(self.key_of(*batch, via_window, self.budget.bytes()), **kind)
+
+  def is_cached(self, batch: tuple) -> bool:
+    """Whether the cache has a file for this batch's plan (not read: planning reads and checks it)."""
+    key = self.key(batch, False)
+    return key is not None and os.path.exists(self.cache.path(key))
+
+  def store(self, key: Optional[dict], entry: dict) -> None:
+    """Store ``entry`` (a plan, a 'does not fit', a chunk or piece size) for ``key``; nothing where ``None``."""
+    if key is not None:
+      self.cache.put(key, entry)
+
+  def plan(self, key: Optional[dict], batch_size: int, share: int) -> Optional[Tuple[MicroBatchPlan, int]]:
+    """The cached plan of a batch of ``batch_size`` (a share of ``share`` samples per device) and the largest
+    micro-batch that fits it, or ``None``: none cached, or an entry that describes no plan of it (warned of). A
+    cached 'does not fit' raises its ``ValueError`` again."""
+    entry = None if key is None else self.cache.get(key)
+    if entry is None:
+      return None
+    if entry.get('fits') is False and isinstance(entry.get('error'), str):
+      raise ValueError(entry['error'])
+    plan = _cached_plan(entry, share)
+    if plan is None:
+      warnings.warn(f'plan cache: ignored an entry for batch {batch_size} that does not describe a plan of it; '
+                    f'planning anew.', UserWarning, stacklevel=3)
+      return None
+    return plan, max(plan.micro_batch_size, entry.get('largest', plan.micro_batch_size))
+
+  def still_fits(self, plan: MicroBatchPlan, batch_size: int, used: int) -> bool:
+    """Whether the cached ``plan``, its step compiled again and measured at ``used`` bytes, fits the budget;
+    warns where it does not."""
+    if used <= self.budget.bytes():
+      return True
+    warnings.warn(f'plan cache: the cached plan for batch {batch_size} ({plan.describe_cuts()}) needs '
+                  f'{format_memory(used)} now, over {self.budget.describe()}; planning anew.', UserWarning,
+                  stacklevel=3)
+    return False
+
+  def chunk(self, key: Optional[dict], batch_size: int, micro_batch_of: Callable[[int], Optional[int]]
+            ) -> Optional[int]:
+    """The chunk size an earlier run chose to stream a batch of ``batch_size`` in, if cached and its step still
+    fits (``micro_batch_of`` plans it: from the cache too, its step compiled again and measured); else ``None``."""
+    return self._size(key, 'stream_chunk', chunk_candidates(batch_size), lambda size: micro_batch_of(size) is not None,
+                      ignored=f'streaming batch {batch_size} that does not name a chunk size of it',
+                      unfit=f'chunk size {{}} for streaming batch {batch_size}')
+
+  def piece(self, key: Optional[dict], batch_size: int, fits: Callable[[int], bool]) -> Optional[int]:
+    """The piece size an earlier run chose to stream a batch of ``batch_size`` in, if cached and ``fits(piece)``
+    (its step planned again, from the cache too, and still in one micro-batch beside what streaming holds);
+    else ``None``."""
+    sizes = [size for size in candidate_micro_batch_sizes(batch_size) if size < batch_size]
+    return self._size(key, 'piece', sizes, fits,
+                      ignored=f'batch {batch_size} streamed in pieces that does not name a piece size of it',
+                      unfit=f'piece size {{}} for batch {batch_size}')
+
+  def _size(self, key: Optional[dict], field: str, sizes: Sequence[int], fits: Callable[[int], bool], *,
+            ignored: str, unfit: str) -> Optional[int]:
+    entry = None if key is None else self.cache.get(key)
+    if entry is None:
+      return None
+    size = entry.get(field)
+    if not isinstance(size, int) or isinstance(size, bool) or size not in sizes:
+      warnings.warn(f'plan cache: ignored an entry for {ignored}; planning anew.', UserWarning, stacklevel=3)
+      return None
+    if not fits(size):
+      warnings.warn(f'plan cache: the cached {unfit.format(size)} does not fit {self.budget.describe()} now; '
+                    f'planning anew.', UserWarning, stacklevel=3)
+      return None
+    return size
+
+
+def _cached_plan(entry: dict, share: int) -> Optional[MicroBatchPlan]:
+  """The plan a plan-cache entry describes for a share of ``share`` samples, or ``None`` if it describes none."""
+  size, remat = entry.get('micro_batch_size'), entry.get('remat')
+  largest = entry.get('largest', size)
+  if not (isinstance(size, int) and 1 <= size <= share and (remat is None or isinstance(remat, (bool, int)))
+          and isinstance(largest, int) and 1 <= largest <= share):
+    return None
+  return plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
 
 
 def _ignored(path: str, why: str) -> None:

@@ -1,4 +1,8 @@
-"""Which chunk size to stream a batch in, when its data does not fit beside its step.
+"""Batches streamed from the host: which ones, in pieces or in chunks, and of which size.
+
+:class:`Streaming` decides, for a planner, which batches stream and keeps the size each streams in. A host batch
+on a device that data is sent to ahead, whose step does not fit in one micro-batch, streams by choice in pieces of
+one micro-batch each; a batch whose data does not fit beside its step streams in chunks.
 
 :class:`ChunkSearch` serves :func:`~brainpy_accum.memory._stream.best_chunk` for one batch: of the chunk sizes
 whose step fits, the one that holds the largest micro-batches, then the largest chunk (the chunk's plan is
@@ -12,13 +16,213 @@ else a quick probe. The chunks' searches share their probes, and each starts at 
 line predicts.
 """
 
+import functools
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from ..core._cut import MicroBatchPlan, plan_micro_batches
-from ._budget import memory_parts, state_bytes
-from ._stream import chunk_candidates, host_chunk, likely_chunk
+from tqdm import tqdm
 
-__all__ = ['ChunkSearch']
+from ..core._cut import MicroBatchPlan, plan_micro_batches
+from ..core._states import values_restored
+from ._budget import candidate_micro_batch_sizes, format_memory, largest_fitting, memory_parts, state_bytes
+from ._cache import CachedPlans
+from ._device import PlanBudget
+from ._stream import best_chunk, chunk_candidates, host_chunk, likely_chunk
+
+__all__ = ['PIECE_FILL', 'ChunkSearch', 'Streaming']
+
+# A batch streamed in pieces is cut so that a piece's step (with the next piece sent ahead) takes at most this share
+# of the budget where a smaller piece allows it: the rest is room for the device's own allocations beside it. On a
+# TPU v5e (the benchmark's spiking network, 14.9 GiB budget) pieces whose step took 65% of the budget trained at
+# 0.93 of bp.BPTT's speed on device data, pieces at 89% and 93% at 0.81 and 0.57 (allocations beside a nearly full
+# device stall there).
+PIECE_FILL = 0.75
+
+
+class Streaming:
+  """Which batches a planner streams from the host, in pieces or in chunks, and the size each streams in.
+
+  A host batch on a device that data is sent to ahead, whose step does not fit in one micro-batch, streams in
+  pieces of one micro-batch each (:meth:`pieces`), each sent while the one before computes, so that the device
+  holds the running step and one piece more, never the whole batch. A batch whose data does not fit beside its
+  step streams in chunks (:meth:`chunks`). Each chunk (piece) is planned by the planner as a batch whose step
+  passes through the window; the size chosen goes in the plan cache, beside the chunks' own plans, so that a
+  rerun skips the search.
+
+  Parameters
+  ----------
+  model : PlannedModel
+    The planner's view of the model (:class:`~brainpy_accum.memory._planner.PlannedModel`).
+  budget : PlanBudget
+    The budget plans are made against (:class:`~brainpy_accum.memory._device.PlanBudget`).
+  cached : CachedPlans
+    The plan cache's dialogue (:class:`~brainpy_accum.memory._cache.CachedPlans`).
+  remat : bool, int or 'auto'
+    The trainer's remat (``'auto'``: a chunk's plan may have either).
+  plans : dict
+    The planner's plans, ``{batch (or chunk) size: (plan, bytes)}``, read here.
+  plan_chunk : callable
+    ``plan_chunk(request, chunk, chunk_data, compilers, unkept) -> Optional[int]``: the planner's plan of a chunk
+    of ``request``'s batch (:class:`ChunkSearch`'s ``plan_chunk``, for that batch).
+  plan_whole : callable
+    ``plan_whole(request) -> MicroBatchPlan``: the planner's plan of the whole batch, unstreamed: where no chunk
+    fits and nothing else says why, its search gives the error that names the budget needed.
+
+  A ``request`` is the planner's batch to plan: its ``layout``, ``batch`` (``shared_args, inputs, targets``),
+  ``step_time`` and the ``compilers`` to plan it with.
+  """
+
+  def __init__(self, model, budget: PlanBudget, cached: CachedPlans, *, remat: Any,
+               plans: Dict[int, Tuple[MicroBatchPlan, int]],
+               plan_chunk: Callable[..., Optional[int]], plan_whole: Callable[[Any], MicroBatchPlan]):
+    self.model, self.budget, self.cached, self.remat, self.plans = model, budget, cached, remat, plans
+    self.plan_chunk, self.plan_whole = plan_chunk, plan_whole
+    self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
+    self.piece_sizes: set = set()  # of those, the ones streamed in pieces by choice (their data fits the device)
+
+  def is_streamed(self, batch_size: int, on_device: bool = False) -> bool:
+    """Whether a batch of ``batch_size`` is streamed in chunks: one streamed because its data does not fit beside
+    its step, always; one streamed in pieces by choice (a host batch sent ahead), not where its data is on the
+    device already: its step then runs whole, in micro-batches of the pieces' size."""
+    return batch_size in self.stream_chunks and not (on_device and batch_size in self.piece_sizes)
+
+  def drop(self, sizes: Sequence[int]) -> None:
+    """Forget the batches streamed in chunks (pieces) of one of ``sizes``, whose plans were dropped."""
+    for batch_size in [b for b, chunk in self.stream_chunks.items() if chunk in sizes]:
+      del self.stream_chunks[batch_size]
+      self.piece_sizes.discard(batch_size)
+
+  def _search(self, request, remat_options: Sequence) -> 'ChunkSearch':
+    """The chunk search of ``request``'s batch, whose chunks the planner plans with one of ``remat_options``."""
+    return ChunkSearch(request.layout, request.batch, self.budget.bytes(), request.compilers, self.model,
+                       remat_options=remat_options, plan_chunk=functools.partial(self.plan_chunk, request))
+
+  def pieces(self, request) -> Optional[MicroBatchPlan]:
+    """A host batch on a device that data is sent to ahead, streamed in pieces of one micro-batch each; the
+    pieces' plan, or ``None`` where its step fits in one micro-batch (with the whole next batch sent ahead).
+
+    The piece is the largest micro-batch (of the device's tile sizes,
+    :func:`~brainpy_accum.memory._budget.candidate_micro_batch_sizes`) whose step through the window fits beside
+    the next piece and the whole batch's model state, which streaming keeps twice
+    (:class:`~brainpy_accum.memory._stream.StreamedStates`), within :data:`PIECE_FILL` of the budget where one
+    does (room for the device's own allocations), and of those near it one that divides the batch
+    (:func:`_even_piece`). Where no piece fits, the batch streams in chunks (:meth:`chunks`)."""
+    batch_size = request.layout.batch_size
+    search = self._search(request, (None,))
+    states = 2 * state_bytes(self.model.batched(batch_size), batch_size)  # (at the batch size: before a reset too)
+    key = self.cached.key(request.batch, False, modelled=request.step_time is not None, pieces=True)
+    with values_restored(self.model.variables(), any_shape=True):  # resets draw random numbers: all put back
+      piece = self.cached.piece(key, batch_size, functools.partial(self._piece_fits, search, states))
+      if piece is None:
+        if self._fits_whole(request):
+          return None
+        piece = self._largest_piece(request, search, states)
+        if piece is not None:
+          self.cached.store(key, {'piece': piece})
+    if piece is None:
+      return self.chunks(request, None)  # no piece of one micro-batch fits: chunks, or the error that says why
+    self.piece_sizes.add(batch_size)
+    self.budget.note_beside(piece, states)  # what a re-check of the budget counts beside its step
+    return self._streamed_in(batch_size, piece, search.unkept,
+                             f'streamed from the host in pieces of {piece}, each sent to the device while the one '
+                             f'before computes')
+
+  def _piece_fits(self, search: 'ChunkSearch', states: int, piece: int) -> bool:
+    """Whether the step of a piece of ``piece`` samples (planned) runs in one micro-batch beside ``states``."""
+    return not (search.micro_batch_of(piece) is None or self.plans[piece][0].num_micro_batches != 1
+                or self.plans[piece][1] + states > self.budget.bytes())
+
+  def _fits_whole(self, request) -> bool:
+    """Whether the batch's step fits in one micro-batch, with the whole next batch sent ahead (a quick probe)."""
+    if self.model.fixed_bytes(request.inputs, request.targets) > self.budget.bytes():
+      return False
+    with values_restored(self.model.variables(), any_shape=True):
+      self.model.reset(request.layout.batch_size)
+      one = plan_micro_batches(request.layout.batch_size, num_micro_batch=1)._replace(
+        remat=False if self.remat == 'auto' else None)
+      return memory_parts(request.compilers.step_bytes(one, *request.batch, False))[0] <= self.budget.bytes()
+
+  def _largest_piece(self, request, search: 'ChunkSearch', states: int) -> Optional[int]:
+    """The piece to stream a batch in (see :meth:`pieces`), planned; ``None`` if no piece of one micro-batch fits
+    beside the next piece and the batch's model state (``states`` bytes)."""
+    batch_size, budget = request.layout.batch_size, self.budget.bytes()
+    measured: Dict[int, int] = {}
+
+    def measure(size):  # the piece's step through the window, the next piece sent ahead, the batch's states
+      if size not in measured:
+        chunk_data = search.chunk_data(size)
+        plan = plan_micro_batches(size, num_micro_batch=1)._replace(remat=False if self.remat == 'auto' else None)
+        measured[size] = budget + 1 if chunk_data is None else states + memory_parts(
+          request.compilers.step_bytes(plan, request.shared_args, *chunk_data, True))[0]
+      return measured[size]
+
+    sizes = [size for size in candidate_micro_batch_sizes(batch_size) if size < batch_size]
+    roomy = min(budget, int(PIECE_FILL * budget) + states)  # room for the device's allocations, where it can
+    found = largest_fitting(sizes, roomy, measure) or largest_fitting(sizes, budget, measure)
+    piece = None if found is None else _even_piece(batch_size, found[0], sizes)
+    return None if piece is None or search.micro_batch_of(piece) is None else piece
+
+  def chunks(self, request, error: Optional[ValueError]) -> MicroBatchPlan:
+    """The batch's data does not fit beside its step (``error``: the unstreamed search's, if it ran): stream it
+    from the host in chunks, the chunk size :class:`ChunkSearch`'s; the chunks' plan."""
+    batch_size = request.layout.batch_size
+    search = self._search(request, (False, True) if self.remat == 'auto' else (None,))
+    key = self.cached.key(request.batch, False, modelled=request.step_time is not None, streamed=True)
+    need = None
+    with values_restored(self.model.variables(), any_shape=True):  # resets draw random numbers: all put back
+      chunk = self.cached.chunk(key, batch_size, search.micro_batch_of)
+      if chunk is None:
+        chunk = best_chunk(batch_size, search.micro_batch_of, can_hold=search.can_hold, first=search.guessed())
+        if chunk is not None:
+          self.cached.store(key, {'stream_chunk': chunk})
+        else:
+          need = search.one_sample_need()
+    if chunk is None:
+      return self._not_streamed(request, error, need)
+    return self._streamed_in(batch_size, chunk, search.unkept,
+                             f'does not fit {self.budget.describe()} with its data on the device; streamed from '
+                             f'the host in chunks of {chunk}')
+
+  def _streamed_in(self, batch_size: int, chunk: int, unkept: Dict[int, Any], how: str) -> MicroBatchPlan:
+    """Record that ``batch_size`` streams in chunks (pieces) of ``chunk`` (planned: its step kept from ``unkept``,
+    which fit runs for them), and say ``how``; the chunk's plan."""
+    self.stream_chunks[batch_size] = chunk
+    if chunk in unkept:
+      unkept[chunk].keep()
+    plan, used = self.plans[chunk]
+    tqdm.write(f'memory plan: batch {batch_size} {how} ({plan.describe()}, train step {format_memory(used)} of '
+               f'{self.budget.describe()}), one update per batch')
+    return plan
+
+  def _not_streamed(self, request, error: Optional[ValueError], need: Optional[int]) -> MicroBatchPlan:
+    """No chunk fits: the error that names what streaming one sample at a time needs (``need``), or the whole
+    batch's own (planning it, where arithmetic skipped it)."""
+    budget, batch_size = self.budget.bytes(), request.layout.batch_size
+    if need is not None and need > budget and self.budget.from_device:
+      raise self.budget.too_small(f'batch {batch_size}, even streamed from the host one sample at a time,', need)
+    if need is not None and need > budget:  # the whole batch's error would name the need of the unstreamed step
+      raise ValueError(f'{self.budget.named()} ({budget} bytes) is too small for batch {batch_size}: its step '
+                       f'does not fit with its data on the device, and streamed from the host one sample at a '
+                       f'time it needs about {format_memory(need)} ({need} bytes). Raise memory_budget to at '
+                       f'least {need}' + (', or use remat=True.' if not self.remat else '.'))
+    if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
+      return self.plan_whole(request)
+    raise error
+
+
+def _even_piece(batch_size: int, largest: int, sizes) -> int:
+  """The piece size to stream a batch in, given the ``largest`` that fits: the largest of ``sizes`` not below
+  three quarters of it that divides the batch (every piece the same program, none of a second size), else
+  ``largest``.
+
+  Examples
+  --------
+  >>> _even_piece(16384, 2432, [4096, 2816, 2432, 2048, 1920])
+  2048
+  >>> _even_piece(10000, 2432, [2816, 2432, 2048])
+  2432
+  """
+  even = [size for size in sizes if 0.75 * largest <= size <= largest and batch_size % size == 0]
+  return max(even, default=largest)
 
 
 class ChunkSearch:

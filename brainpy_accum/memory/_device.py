@@ -1,26 +1,30 @@
-"""The device's own memory: the budget it gives, and the out-of-memory errors it raises.
+"""The device's own memory: the budget it gives, the budget as planning checks against it, and the out-of-memory
+errors the device raises.
 
 On a GPU or TPU ``jax.Device.memory_stats()`` reports the memory a program may use (``bytes_limit``) and what
 arrays hold now (``bytes_in_use``); a CPU reports nothing. :class:`Budget` turns ``memory_budget`` into bytes:
 a size as given, a share of the device (``'90%'``), or with no ``memory_budget`` the device's limit less what
 other arrays hold and a margin (:data:`DEVICE_MARGIN`). It is worked out when planning first needs it, so
 that the arrays the user put on the device by then are counted, and kept for the trainer's life.
+:class:`PlanBudget` is that budget as a planner sees it: with the step's own arguments (the trainer's Variables,
+the batch in hand) counted in, checked again at the start of each fit, and the errors of a batch it cannot hold.
 
 A program too large for the device is refused when XLA compiles it, with ``RESOURCE_EXHAUSTED``: on a TPU
 "Ran out of memory in memory space hbm ... the total memory required for HLO temporaries (17.38G) exceeds
 available HBM (15.75G)", on a GPU "Out of memory while trying to allocate ...". For the planner such a refusal
-is a measurement, the candidate does not fit, with the size the message names (:func:`refused_bytes`).
+is a measurement, the candidate does not fit, with the size the message names (:func:`refused_bytes`,
+:func:`refusal_measured`).
 """
 
 import re
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
 import jax
 
-from ._budget import format_memory, parse_memory
+from ._budget import PlannedStep, StepMemory, format_memory, parse_memory
 
-__all__ = ['DEVICE_MARGIN', 'Budget', 'DeviceMemory', 'as_fraction', 'device_memory', 'is_out_of_memory',
-           'is_refused_program', 'refused_bytes']
+__all__ = ['DEVICE_MARGIN', 'Budget', 'DeviceMemory', 'PlanBudget', 'as_fraction', 'device_memory',
+           'is_out_of_memory', 'is_refused_program', 'refusal_measured', 'refused_bytes']
 
 # Of the device's limit, kept free when the budget is the device's own: XLA's memory analysis counts the
 # program's buffers, not the runtime's own allocations, the executable itself or the allocator's fragmentation.
@@ -169,6 +173,108 @@ class Budget:
     return f"the device's memory ({self._source})"
 
 
+class PlanBudget:
+  """The budget a planner plans against: a :class:`Budget` with the arrays the step holds as its own counted in,
+  checked again at the start of each fit, and the errors of a batch it cannot hold.
+
+  The trainer's Variables and the batch in hand are on the device already, and they are the step's arguments,
+  counted in its memory: they are not taken off the device's limit as arrays of others (:meth:`Budget.bytes`).
+  A batch streamed in pieces runs each piece's step beside the batch's model state, which streaming keeps twice:
+  those bytes are noted for the piece (:meth:`note_beside`) and counted when the plans are checked again
+  (:meth:`stale`).
+
+  Parameters
+  ----------
+  budget : Budget, optional
+    The memory budget (``None``: none, a fixed cut).
+  variables : callable
+    ``variables()``: every Variable a step reads or writes (the planned model's).
+
+  Examples
+  --------
+  >>> from brainpy_accum.memory._device import Budget, PlanBudget
+  >>> budget = PlanBudget(Budget('2KiB'), variables=lambda: [])
+  >>> budget.bytes(), budget.stale(None, None, {64: 1800})  # a size given never changes
+  (2048, [])
+  """
+
+  def __init__(self, budget: Optional[Budget], variables: Callable[[], list]):
+    self.budget, self.variables = budget, variables
+    self._in_hand = 0  # bytes of the batch being planned that are on the device already (arguments of its step)
+    self._beside: Dict[int, int] = {}  # piece size -> bytes held beside its step (the batch's model state, twice)
+
+  def bytes(self) -> Optional[int]:
+    """The budget in bytes (``None`` without one); the device's is worked out at its first use."""
+    return None if self.budget is None else self.budget.bytes(held=self.held)
+
+  def bytes_or_device(self) -> int:
+    """The budget in bytes, or without one the device's own (raises ``ValueError`` where it reports none)."""
+    return (self.budget or Budget(None)).bytes(held=self.held)
+
+  def held(self) -> int:
+    """Bytes the trainer's own Variables and the batch in hand hold on the device: the step's arguments,
+    counted in its memory."""
+    return self._in_hand + sum(int(v.value.nbytes) for v in self.variables() if isinstance(v.value, jax.Array))
+
+  def hold(self, inputs: Any, targets: Any) -> None:
+    """The batch in hand is ``inputs, targets``: its bytes on the device are the step's own."""
+    self._in_hand = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves((inputs, targets))
+                        if isinstance(x, jax.Array))
+
+  def note_beside(self, piece: int, held: int) -> None:
+    """The step of a piece of ``piece`` samples runs beside ``held`` bytes (the batch's model state, twice)."""
+    self._beside[piece] = max(self._beside.get(piece, 0), held)
+
+  def stale(self, inputs: Any, targets: Any, used: Dict[int, int]) -> List[int]:
+    """The sizes whose step (``used``: bytes by size) no longer fits, with the batch in hand ``inputs, targets``.
+
+    With the device's own budget, other arrays put on the device since the plans were made (the user's own)
+    leave less room, and a plan made under the old budget would overfill the device (its temporaries are
+    reserved beside every array: the TPU runtime then evicts and reloads programs, slowly, or fails to load
+    one); the smaller budget is kept (:meth:`Budget.recheck`). A size given never changes: nothing is stale.
+    """
+    self.hold(inputs, targets)
+    now = None if self.budget is None or not used else self.budget.recheck(held=self.held)
+    return sorted(size for size, bytes_ in used.items() if now is not None and bytes_ + self._beside.get(size, 0) > now)
+
+  @property
+  def from_device(self) -> bool:
+    """Whether the bytes come from the device's memory (:attr:`Budget.from_device`)."""
+    return self.budget.from_device
+
+  def named(self) -> str:
+    """The budget as an error names it (:meth:`Budget.named`)."""
+    return self.budget.named()
+
+  def describe(self) -> str:
+    """The budget as the plan lines name it (:meth:`Budget.describe`)."""
+    return self.budget.describe()
+
+  def too_small(self, what: str, need: int) -> ValueError:
+    """The error of a batch (``what``) that the device's own memory does not hold: there is no
+    ``memory_budget`` to raise, so it names the other fixes."""
+    share = '' if self.budget.value is None or self.budget.value.strip() == '100%' else (
+      ", a larger share of the device (memory_budget='100%')")
+    return ValueError(f'The train step of {what} needs {format_memory(need)} ({need} bytes), more than '
+                      f'{self.describe()}. Use remat=True, fewer time steps, smaller batches{share} or a '
+                      f'device with more memory.')
+
+  def check_whole_batch(self, batch_size: int, fixed: int, kept_whole: bool) -> None:
+    """Where the step keeps the whole batch on the device (``kept_whole``: ``whole_batch_loss=True``, never
+    streamed), refuse by arithmetic data that cannot fit: ``fixed`` bytes, its data, Variables and updated
+    parameters, over the budget."""
+    budget = self.bytes()
+    if kept_whole and fixed > budget and self.from_device:
+      raise self.too_small(f'batch {batch_size}, whose data, Variables and updated parameters '
+                           f'whole_batch_loss=True keeps on the device,', fixed)
+    if kept_whole and fixed > budget:
+      raise ValueError(f'{self.named()} ({budget} bytes) is too small for batch {batch_size}: its '
+                       f'data, the Variables and the updated parameters alone take at least {format_memory(fixed)} '
+                       f'({fixed} bytes), and whole_batch_loss=True keeps the whole batch on the device (it is not '
+                       f'streamed from the host in chunks). Raise memory_budget above {fixed}, or pass smaller '
+                       f'batches.')
+
+
 def _device_name(device: Optional[jax.Device]) -> str:
   device = device or jax.devices()[0]
   return f'the {device.platform.upper()} device'
@@ -244,3 +350,27 @@ def refused_bytes(error: BaseException, at_least: int) -> int:
         return max(at_least, int(float(match.group(1)) * _SIZES[unit]))
   return at_least
 
+
+def refusal_measured(compile_: Callable, budget: Callable[[], int], trial: bool) -> Callable:
+  """``compile_(plan, *batch)`` (a quick probe, or with ``trial`` a compilation for training), with XLA's refusal
+  of a program too large for the device taken as a measurement: the candidate does not fit, with the size the
+  refusal names (at least ``budget()`` plus one); a refused trial is never run, never kept."""
+
+  def measured(plan, *batch):
+    try:
+      return compile_(plan, *batch)
+    except Exception as error:  # noqa: BLE001 -- only the device's out-of-memory refusal is a measurement
+      if not is_out_of_memory(error):
+        raise
+      memory = StepMemory(refused_bytes(error, budget() + 1), 0)
+      return PlannedStep(memory, _never_run, _never_kept) if trial else memory
+
+  return measured
+
+
+def _never_run():
+  raise RuntimeError('A step that does not fit the device is never run.')
+
+
+def _never_kept():
+  """A refused step: nothing to keep."""

@@ -7,20 +7,25 @@ bisection (:func:`~brainpy_accum.memory._budget.largest_fitting`) finds the larg
 (memory by ahead-of-time compilation), searching remat plans only above the largest micro-batch that fits
 without remat (at or below it the same cut without remat is faster); a couple of finer cuts may be added (small
 micro-batches can be faster on caches), and the fitting candidates are timed with a few trial steps,
-interleaved round by round; the fastest wins.
+interleaved round by round; the fastest wins. :func:`fastest_fitting` runs that choice for the planner: the
+candidates compiled as training runs them, timed, and the winner's step kept for fit.
 
 XLA's ``cost_analysis()`` is not used to estimate time: it counts the body of a loop once, not once per
 iteration, so its flops fall with the micro-batch size although the step's work does not.
 """
 
+import functools
 import statistics
 import time
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from ..core._cut import describe_remat
-from ._budget import StepMemory, TooSmall, memory_parts, candidate_micro_batch_sizes, format_memory, largest_fitting
+from tqdm import tqdm
 
-__all__ = ['Candidate', 'REMAT_OPTIONS', 'choose_fastest_plan', 'time_steps', 'describe_choice']
+from ..core._cut import describe_remat, plan_micro_batches
+from ._budget import (PlannedStep, StepMemory, TooSmall, memory_parts, candidate_micro_batch_sizes, format_memory,
+                      largest_fitting)
+
+__all__ = ['Candidate', 'REMAT_OPTIONS', 'choose_fastest_plan', 'fastest_fitting', 'time_steps', 'describe_choice']
 
 Remat = Union[bool, int]
 REMAT_OPTIONS: Tuple[Remat, ...] = (False, True)  # other segment lengths keep more than sqrt(T) for the same compute
@@ -116,6 +121,65 @@ def _too_small(budget: int, batch_size: int, need: int) -> TooSmall:
   return TooSmall(f'memory_budget={format_memory(budget)} ({budget} bytes) is too small: even micro-batches of '
                   f'one sample with remat need {format_memory(need)} ({need} bytes) for a batch of '
                   f'{batch_size}. Raise memory_budget to at least {need}.', need)
+
+
+def fastest_fitting(share: int, budget: int, compilers, batch: tuple, via_window: bool, *, named: str,
+                    weighed_plans: Dict[int, List[Candidate]], step_time: Optional[Callable] = None
+                    ) -> Tuple[int, int, Remat, Optional[PlannedStep]]:
+  """``remat='auto'``: ``(micro_batch_size, bytes, remat, compiled step)`` of the fastest plan of a share of
+  ``share`` samples that fits ``budget`` (``named`` so in errors), measured and timed by the planner's
+  ``compilers`` (:class:`~brainpy_accum.memory._planner.Compilers`) on ``batch`` (``shared_args, inputs,
+  targets``); its table printed, the candidates weighed recorded in ``weighed_plans[share]``.
+
+  Only the largest fitting micro-batch of each remat option is weighed: those are the candidates that can
+  win, since a finer cut of the same remat does the same work in more, smaller sequential steps. The
+  search compiles the sizes it predicts to be the answer as training runs them, so the candidates timed are
+  already compiled, their compilation's memory is the figure that must fit, and training runs the winner's
+  executable. ``step_time(plans) -> seconds`` replaces the trial steps (timing by a model).
+  """
+  compiled = {}
+  plan_of = lambda size, remat: plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
+
+  def compile_(size, remat):
+    if (size, remat) not in compiled:
+      compiled[size, remat] = compilers.trial(plan_of(size, remat), *batch, via_window)
+    return compiled[size, remat]
+
+  probe = lambda size, remat: compilers.step_bytes(plan_of(size, remat), *batch, via_window)
+  timed = functools.partial(_timed, budget, compilers, step_time, plan_of, compile_)
+  guess = None if compilers.guess(plan_of(share, False)) is None else (
+    lambda size, remat: compilers.guess(plan_of(size, remat)))
+  chosen, weighed = choose_fastest_plan(share, budget, probe, timed, finer=0, guess=guess,
+                                        measure_pick=lambda size, remat: compile_(size, remat).memory)
+  if chosen.seconds == float('inf'):
+    raise ValueError(f'{named}: no plan fits when compiled for training, although quick compilations said so. '
+                     f'Raise memory_budget.')
+  weighed_plans[share] = weighed
+  tqdm.write(describe_choice(share, budget, chosen, weighed))
+  planned = compiled.get((chosen.micro_batch_size, chosen.remat))
+  if planned is None and compilers.keepable(via_window):  # measured by a quick probe: compile it for training
+    planned = compile_(chosen.micro_batch_size, chosen.remat)
+    if planned.memory.total > budget:
+      raise ValueError(f'{named}: the chosen plan needs {format_memory(planned.memory.total)} compiled for '
+                       f'training, although a quick compilation measured {format_memory(chosen.bytes)}. Raise '
+                       f'memory_budget.')
+  used = chosen.bytes if planned is None else planned.memory.total
+  return chosen.micro_batch_size, used, chosen.remat, planned
+
+
+def _timed(budget: int, compilers, step_time: Optional[Callable], plan_of: Callable, compile_: Callable,
+           pairs) -> List[float]:
+  """Seconds of a trial step of each ``(size, remat)`` of ``pairs`` (``step_time``'s, if given); a candidate
+  that does not fit once compiled for training (the quick probe measured otherwise) is never chosen."""
+  if step_time is not None:
+    return step_time([plan_of(s, r) for s, r in pairs])
+  steps = [compile_(*pair) for pair in pairs]
+  fitting = [step for step in steps if step.memory.total <= budget]  # (a refused one is never run)
+  compilers.before_timing()
+  # two interleaved runs each, the faster kept: the first run of a new executable is the slow one (about
+  # 20% on CPU), so this is the second's time, for one run less per candidate than a warm-up and two rounds
+  seconds = iter(time_steps([step.run for step in fitting], rounds=2, warm_up=False, estimate=min))
+  return [next(seconds) if step.memory.total <= budget else float('inf') for step in steps]
 
 
 def time_steps(runs: Sequence[Callable[[], object]], rounds: int = 3, warm_up: bool = True,

@@ -29,9 +29,9 @@ from ..core._states import whole_batch_variables
 from ..core._two_pass import Devices, two_pass_sums
 from ..core._written import WriteEvidence, WriteReport
 from ..diagnostics._compiles import QUICK_COMPILE
-from ..memory._budget import StepMemory, step_memory
+from ..memory._budget import PlannedStep, StepMemory, step_memory
 from ..memory._live import temp_bytes_at_least
-from ..memory._planner import Compilers, PlannedStep
+from ..memory._planner import Compilers
 from ..core._mesh import on_mesh, split_variables
 from ._step import WINDOW_HOLDS, Settled, batch_sums, clip_by_global_norm, guarded_update, micro_step, same, settle
 
