@@ -1,0 +1,5 @@
+"""``python -m brainpy_accum.bench.evidence``."""
+
+from . import main
+
+main()
