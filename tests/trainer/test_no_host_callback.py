@@ -104,7 +104,10 @@ def test_the_flags_are_read_with_the_losses_not_after_every_step(monkeypatch):
   assert len(reads) == 3, reads
 
 
-@pytest.mark.parametrize('callbacks_run', [True, False], ids=['cpu backend', 'JAX_PLATFORMS=tpu'])
+@pytest.mark.parametrize('callbacks_run', [
+    pytest.param(True, marks=pytest.mark.host_callback('runs bp.BPTT\'s progress-bar callback: a failed callback '
+                                                       'poisons the runtime for every later test')),
+    False], ids=['cpu backend', 'JAX_PLATFORMS=tpu'])
 def test_predict_drops_its_progress_bar_where_no_host_callback_can_run(monkeypatch, bound_callbacks, callbacks_run):
   """bp.BPTT's ``predict`` updates its per-time-step progress bar by a host callback inside the compiled run,
   which fails where JAX has no CPU backend (the demo under JAX_PLATFORMS=tpu did, on the TPU v5e): there
