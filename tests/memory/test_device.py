@@ -115,7 +115,8 @@ def test_the_device_budget_leaves_out_what_other_arrays_hold(monkeypatch):
       "held by other arrays)")
 
 
-@pytest.mark.parametrize('options', [dict(remat='auto'), dict(accumulate_steps=2)], ids=['remat_auto', 'window'])
+@pytest.mark.parametrize('options', [pytest.param(dict(remat='auto'), marks=pytest.mark.long), dict(accumulate_steps=2)],
+                         ids=['remat_auto', 'window'])  # remat_auto in the long suite: README suite time
 def test_planning_takes_a_refusal_as_a_measurement(monkeypatch, sizes, options):
   """A budget named above the device's memory: every plan the device refuses is measured as not fitting, and the
   plan found fits the device; training equals bp.BPTT's (on the windows' batches with accumulate_steps)."""

@@ -53,6 +53,7 @@ def test_remat_halves_the_working_memory_of_long_sequences():
   assert temp[True] <= 0.5 * temp[False], temp
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 @TINY_SIZES
 def test_memory_falls_with_the_micro_batch_size_even_with_a_short_micro_batch():
   x, y = _batch()
@@ -133,7 +134,8 @@ def _gru():
 
 @TRACED_BOUND
 @pytest.mark.parametrize('model, num_time, remat', [
-  ('rnn', 12, False), ('rnn', 12, True), ('rnn', 1, False), ('snn', 12, False), ('snn', 12, True), ('gru', 12, False)])
+  ('rnn', 12, True), ('snn', 12, False), ('gru', 12, False),  # the others in the long suite: README suite time
+  *[pytest.param(*case, marks=pytest.mark.long) for case in [('rnn', 12, False), ('rnn', 1, False), ('snn', 12, True)]]])
 def test_traced_lower_bound_of_the_step_never_exceeds_xlas_memory(model, num_time, remat):
   """The planner rules out micro-batch sizes whose step's lower bound, read from its trace without compiling,
   exceeds the budget (:mod:`brainpy_accum.memory._live`): that bound must never exceed XLA's figure, for any

@@ -150,6 +150,7 @@ def test_planner_chooses_remat_where_it_is_the_faster_fit_and_trains_as_bptt(rem
   assert trainer.compiled_step_bytes(None, FIT, x, y) == used  # the step compiled with the plan's remat
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 @TINY_SIZES
 def test_planning_with_trial_steps_changes_nothing(remat_only_budget):
   x, y, budget = remat_only_budget

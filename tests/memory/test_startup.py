@@ -112,7 +112,7 @@ def test_answer_is_always_measured_even_where_memory_is_far_from_a_line():
 
 
 @TINY_SIZES
-@pytest.mark.parametrize('remat', [False, 'auto'])
+@pytest.mark.parametrize('remat', [False, pytest.param('auto', marks=pytest.mark.long)])  # README suite time
 def test_predicted_plan_fits_by_xla_and_trains_as_the_same_fixed_plan(data, remat):
   batches, budget, need = data
   model = _model()

@@ -58,8 +58,9 @@ def _coupled(record):
   return [str(w.message) for w in record if 'couples the samples' in str(w.message)]
 
 
-@pytest.mark.parametrize('loss, point', [(spike_count_penalties, 'uniform'), (squared_spike_count, 'uniform'),
-                                         (error_per_spike, '0 or 1')])
+@pytest.mark.parametrize('loss, point', [  # the squared count in the long suite: README suite time
+  (spike_count_penalties, 'uniform'), pytest.param(squared_spike_count, 'uniform', marks=pytest.mark.long),
+  (error_per_spike, '0 or 1')])
 def test_quiet_first_batch_warns(loss, point):
   """No spike at all in the first batch (no input): the penalties are 0 on every micro-batch, as on the whole
   batch, so the model's own outputs would hide the coupling; random outputs in their place show it."""
@@ -101,7 +102,8 @@ def _masked_mean(predicts, targets):
   ('mean_squared_error', {}),
   pytest.param(_masked_mean, dict(loss_weight_fn=lambda x, y: np.float32(x.shape[0] * 3)),
                marks=(pytest.mark.long, pytest.mark.extended)),
-  (lambda p, t: bm.sum(bm.mean((p - t) ** 2, axis=(1, 2))), dict(grad_reduction='sum')),
+  pytest.param(lambda p, t: bm.sum(bm.mean((p - t) ** 2, axis=(1, 2))), dict(grad_reduction='sum'),
+               marks=pytest.mark.long),  # README suite time
 ], ids=['per_sample_mean', 'masked_mean_with_loss_weight_fn', 'sum'])
 def test_losses_that_accumulate_exactly_stay_silent(loss, options):
   with warnings.catch_warnings(record=True) as record:
@@ -143,7 +145,7 @@ def test_brainpys_mean_losses_skip_the_check_and_train_as_a_checked_copy(monkeyp
   assert_trees_close(params_of(skipped.target), params_of(wrapped.target), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize('jit', [True, False])
+@pytest.mark.parametrize('jit', [True, pytest.param(False, marks=pytest.mark.long)])  # README suite time
 def test_loss_that_writes_a_variable_is_checked_and_the_variable_stays_concrete(jit):
   """A per-sample mean that also keeps a running statistic in a Variable of its own: checked, silent, and the
   Variable holds an array afterwards (no tracer of the check left in it)."""

@@ -77,7 +77,9 @@ def assert_matches_reference(scenario, **trainer_kwargs):
 
 # Even and uneven cuts (batches of 10, 10 and 7) down to one sample per micro-batch; one micro-batch of the rate
 # RNN is test_one_micro_batch_is_bitwise_bptt.
-@pytest.mark.parametrize('model, num_micro_batch', [('rnn', 2), ('rnn', 4), ('snn', 1), ('snn', 4), ('snn', 10)])
+@pytest.mark.parametrize('model, num_micro_batch', [  # rnn-2 and snn-1 in the long suite: README suite time
+  pytest.param('rnn', 2, marks=pytest.mark.long), ('rnn', 4), pytest.param('snn', 1, marks=pytest.mark.long),
+  ('snn', 4), ('snn', 10)])
 def test_update_and_metrics_match_whole_batch_bptt(model, num_micro_batch):
   trainer = assert_matches_reference(Scenario(model=model), num_micro_batch=num_micro_batch)
   assert set(trainer._detailed_train_metrics) == {'loss', 'mean_out', 'abs_err'}
@@ -103,6 +105,7 @@ def test_micro_batch_size_matches_whole_batch_bptt():
   assert_matches_reference(Scenario(model='snn'), micro_batch_size=4)
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_batch_smaller_than_num_micro_batch_matches():
   assert_matches_reference(Scenario(sizes=(3, 2)), num_micro_batch=4)
 
@@ -111,6 +114,7 @@ def test_time_first_data_matches():
   assert_matches_reference(Scenario(time_first=True), num_micro_batch=3)
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_time_first_inputs_with_batch_first_targets_match():
   assert_matches_reference(Scenario(time_first=True, loss='last_step'), num_micro_batch=4)
 
@@ -123,6 +127,7 @@ def test_sum_reduction_matches_summed_loss():
   assert_matches_reference(Scenario(loss='sum'), num_micro_batch=4, grad_reduction='sum')
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_mean_reduction_of_summed_loss_differs():
   """Guards the sum test above: the reduction really changes the update."""
   params, _, _ = run(Scenario(loss='sum', num_epoch=1), AccumBPTT, num_micro_batch=4, grad_reduction='mean')
@@ -137,6 +142,7 @@ def test_without_jit_matches():
   assert trainer.compilations == {'fit': 0, 'loss': 0}  # no compiled step to count
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_monitors_reach_the_loss_per_micro_batch():
   def loss_with_monitor(predicts, targets):
     outs, mons = predicts

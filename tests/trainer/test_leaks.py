@@ -48,6 +48,7 @@ def _fit_and_predict(trainer, batches, evaluate: bool = True):
   return trainer.predict(batches[0][0])
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_bptt_leaves_tracers_in_bp_share_where_accum_bptt_leaves_it_as_it_was():
   """The same model and batch: after bp.BPTT's fit ``bp.share`` holds tracers; after AccumBPTT's fit and predict it
   reads what it read before (the decision documented in the guide: what the steps save exists only inside them;

@@ -118,7 +118,7 @@ def reference(time_first=False, **kwargs):
 
 @pytest.mark.parametrize('time_first, options', [
   (False, dict(num_micro_batch=3, aux_reduction=DECLARED)),
-  (True, dict(num_micro_batch=3, aux_reduction=DECLARED)),
+  pytest.param(True, dict(num_micro_batch=3, aux_reduction=DECLARED), marks=pytest.mark.long),  # README suite time
   (False, dict(num_micro_batch=3)),
   (False, dict(num_micro_batch=3, whole_batch_loss=True)),
 ], ids=['default-B', 'default-T', 'found', 'whole_batch_loss'])
@@ -150,6 +150,7 @@ def test_window_records_bptt_metrics(declared):
   assert not [c for c in caught if 'metric' in c], caught
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_per_sample_metrics_of_batches_of_different_sizes_are_kept():
   """bp.BPTT cannot stack per-sample metrics of a batch of 10 and one of 7 (its fit fails at the end of the
   epoch); AccumBPTT keeps them: each batch's array as bp.BPTT computes it batch by batch (one fit per batch,
@@ -354,7 +355,8 @@ def _step_targets(batch=5):
   return [(x, y)] * 3, lambda p, t: bp.losses.mean_squared_error(p[..., 0].T, t), 1
 
 
-@pytest.mark.parametrize('case', [_class_targets, _step_targets], ids=['n_class==B', 'T==B'])
+@pytest.mark.parametrize('case', [_class_targets, pytest.param(_step_targets, marks=pytest.mark.long)],
+                         ids=['n_class==B', 'T==B'])  # T==B in the long suite: README suite time
 def test_target_with_two_axes_of_the_batch_size_trains_as_bptt(case):
   """The batch axis is decided from evidence (the loss traced with each choice), not guessed."""
   batches, loss, n_out = case()

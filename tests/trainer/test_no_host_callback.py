@@ -69,7 +69,8 @@ def _fit(kind, way: dict, **more):
   return written_warnings([str(c.message) for c in caught])
 
 
-@pytest.mark.parametrize('way', list(WAYS))
+@pytest.mark.parametrize('way', [  # two ways in the long suite: README suite time
+  pytest.param(way, marks=pytest.mark.long) if way in ('accumulate_steps', 'one-device mesh') else way for way in WAYS])
 def test_no_step_of_a_model_that_writes_states_binds_a_host_callback(way, bound_callbacks):
   """A Hebbian term written into ``W`` (data-dependent: warned of, naming it) and a record of sample 0: no
   callback primitive bound while the steps and the check were traced."""

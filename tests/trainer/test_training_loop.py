@@ -111,7 +111,7 @@ class ClippedBPTT(bp.BPTT):
     return (loss,)
 
 
-@pytest.mark.parametrize('num_micro_batch', [1, 4])
+@pytest.mark.parametrize('num_micro_batch', [pytest.param(1, marks=pytest.mark.long), 4])  # README suite time
 def test_clipping_acts_once_on_the_combined_gradient(num_micro_batch):
   batches = make_batches((10, 7))
   params, _ = train(AccumBPTT, batches, num_micro_batch=num_micro_batch, clip_grad_norm=ClippedBPTT.max_norm)
@@ -335,7 +335,7 @@ def _history(cls, num_report, **kwargs):
   return recorded, calls
 
 
-@pytest.mark.parametrize('num_report', [-1, 1, 2, 3, 7])
+@pytest.mark.parametrize('num_report', [-1, 1, 2, *[pytest.param(n, marks=pytest.mark.long) for n in (3, 7)]])
 def test_history_and_reports_equal_bptts_for_every_num_report(num_report):
   """Report windows that straddle an epoch's end are dropped there, as bp.BPTT drops them."""
   expected, expected_calls = _history(bp.BPTT, num_report)

@@ -80,7 +80,7 @@ def _assert_same_run(actual, expected):
                                rtol=1e-5, atol=1e-6)
 
 
-QUICK_CASES = ('rate_regulariser_snn', 'contrastive_rnn')  # the others run in the long suite (--long)
+QUICK_CASES = ('rate_regulariser_snn',)  # the others run in the long suite (--long)
 
 
 def _long_unless_quick(cases):
@@ -208,6 +208,7 @@ def test_default_mode_is_silent_on_a_mean_over_samples(loss):
   assert not [w for w in record if 'couples' in str(w.message) or 'Could not check' in str(w.message)]
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_the_check_changes_nothing():
   """The first batch's check (loss_fun at random outputs) changes nothing but how the metrics it finds combine: the
   run equals one whose check is skipped and whose batch maximum is declared as the check finds it."""
