@@ -37,6 +37,7 @@ def test_remat_gives_the_same_training_as_storing_every_step(remat):
   assert_trees_close(results[1], results[0])
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 @TINY_SIZES
 def test_remat_halves_the_working_memory_of_long_sequences():
   # A hidden size of whole TPU tiles (256 = 2 x 128), so that the states each step stores, which remat keeps

@@ -58,8 +58,8 @@ def _coupled(record):
   return [str(w.message) for w in record if 'couples the samples' in str(w.message)]
 
 
-@pytest.mark.parametrize('loss, point', [  # the squared count in the long suite: README suite time
-  (spike_count_penalties, 'uniform'), pytest.param(squared_spike_count, 'uniform', marks=pytest.mark.long),
+@pytest.mark.parametrize('loss, point', [  # the counts in the long suite: README suite time
+  pytest.param(spike_count_penalties, 'uniform', marks=pytest.mark.long), pytest.param(squared_spike_count, 'uniform', marks=pytest.mark.long),
   (error_per_spike, '0 or 1')])
 def test_quiet_first_batch_warns(loss, point):
   """No spike at all in the first batch (no input): the penalties are 0 on every micro-batch, as on the whole

@@ -77,9 +77,9 @@ def assert_matches_reference(scenario, **trainer_kwargs):
 
 # Even and uneven cuts (batches of 10, 10 and 7) down to one sample per micro-batch; one micro-batch of the rate
 # RNN is test_one_micro_batch_is_bitwise_bptt.
-@pytest.mark.parametrize('model, num_micro_batch', [  # rnn-2 and snn-1 in the long suite: README suite time
+@pytest.mark.parametrize('model, num_micro_batch', [  # rnn-2, snn-1 and snn-10 in the long suite: README suite time
   pytest.param('rnn', 2, marks=pytest.mark.long), ('rnn', 4), pytest.param('snn', 1, marks=pytest.mark.long),
-  ('snn', 4), ('snn', 10)])
+  ('snn', 4), pytest.param('snn', 10, marks=pytest.mark.long)])
 def test_update_and_metrics_match_whole_batch_bptt(model, num_micro_batch):
   trainer = assert_matches_reference(Scenario(model=model), num_micro_batch=num_micro_batch)
   assert set(trainer._detailed_train_metrics) == {'loss', 'mean_out', 'abs_err'}
@@ -119,6 +119,7 @@ def test_time_first_inputs_with_batch_first_targets_match():
   assert_matches_reference(Scenario(time_first=True, loss='last_step'), num_micro_batch=4)
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_dict_inputs_match():
   assert_matches_reference(Scenario(model='dict_rnn', dict_inputs=True), num_micro_batch=4)
 

@@ -464,6 +464,7 @@ def test_device_data_of_a_size_planned_in_pieces_runs_in_one_step(monkeypatch):
   np.testing.assert_allclose(trainer.train_losses, expected.train_losses[-1:], rtol=1e-5)
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_steps_in_flight_stay_bounded_when_nothing_is_sent(monkeypatch):
   """Batches unlike the one before (here of other lengths) are not sent ahead; the loop still waits for the step
   before the running one, so that the device holds two steps' data at most (found in review: one more a batch)."""

@@ -66,6 +66,7 @@ def test_accumulate_steps_alone_needs_no_micro_batch_option():
   assert_trees_close(params, ref_params)
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_accumulate_steps_schedule_by_epoch():
   batches = make_batches(UNEVEN)
   params, _ = train(AccumBPTT, batches, num_epoch=3, num_micro_batch=2, accumulate_steps={0: 1, 1: 3})

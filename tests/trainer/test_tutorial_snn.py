@@ -101,6 +101,7 @@ def test_default_mode_warns_at_random_outputs_on_the_quiet_tutorial_network():
   assert len(messages) == 1 and 'random outputs (uniform' in messages[0]
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_whole_batch_loss_trains_the_tutorial_network_as_bptt_does():
   """Parameters after 4 updates and every recorded loss equal bp.BPTT's on the whole batch, to float32 round-off
   (the helpers' tolerance: rtol 1e-5, atol 1e-6)."""
