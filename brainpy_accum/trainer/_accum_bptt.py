@@ -343,7 +343,8 @@ class AccumBPTT(bp.BPTT):
     Candidate micro-batch sizes are compiled ahead of time and measured with XLA's memory analysis; nothing
     runs or changes but the choice, printed and kept in :attr:`memory_plans`. With ``remat='auto'``: the
     fastest plan that fits, by trial steps that change nothing (``step_time(plans) -> seconds`` replaces
-    them). A batch whose data does not fit beside its step is streamed in chunks (:attr:`stream_chunks`).
+    them). Returns the batch's plan; a batch whose data does not fit beside its step streams in chunks (on a GPU
+    or TPU: pieces of one micro-batch), one update per batch: the plan of a chunk, ``stream_chunks[batch_size]``.
 
     Raises
     ------
