@@ -39,6 +39,7 @@ def _trainer(**kwargs):
                    **kwargs)
 
 
+@pytest.mark.long  # README suite time (test_out_of_memory.py retries the load form in the README suite)
 def test_out_of_memory_retries_the_batch_finer_and_trains_as_bptt(capsys):
   batches = make_batches((10, 10, 7))
   expected = bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=1e-2), progress_bar=False)

@@ -135,6 +135,7 @@ def test_checkpoints_and_resume_with_batches_sent_ahead(sent, tmp_path):
   assert_trees_close(with_overlap, without, **EXACT)  # (resuming as training straight through: test_resume.py)
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_overlap_with_planned_steps_equals_bptt(sent):
   """``num_micro_batch='auto'`` with data sent ahead: a batch whose step does not fit in one micro-batch is
   streamed in pieces of one micro-batch each, each sent while the one before computes (never the whole batch
