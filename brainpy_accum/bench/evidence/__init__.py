@@ -307,10 +307,9 @@ def _record_memory(run: Run, trainer: bp.BPTT) -> None:
   run.record['memory']['budget'] = run.config.budget
   if isinstance(trainer, AccumBPTT) and run.config.batch in trainer.memory_plans:
     plan, step_bytes = trainer.memory_plans[run.config.batch]
-    cut = f'{plan.num_full} x {plan.micro_batch_size}' + (f' + {plan.remainder}' if plan.remainder else '')
     run.record['memory']['plan'] = {'num_micro_batches': plan.num_micro_batches, 'step_bytes': step_bytes,
                                     'micro_batch_size': plan.micro_batch_size,
-                                    'text': f'{plan.num_micro_batches} micro-batches ({cut})'}
+                                    'text': f'{plan.num_micro_batches} micro-batches ({plan.describe_cuts()})'}
 
 
 def seconds_per_update(record: dict) -> Optional[float]:
