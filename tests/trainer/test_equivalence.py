@@ -110,6 +110,7 @@ def test_batch_smaller_than_num_micro_batch_matches():
   assert_matches_reference(Scenario(sizes=(3, 2)), num_micro_batch=4)
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_time_first_data_matches():
   assert_matches_reference(Scenario(time_first=True), num_micro_batch=3)
 
@@ -181,6 +182,7 @@ def test_model_state_after_a_step_is_the_whole_batchs():
   assert_trees_close(np.asarray(trainer.target.lif.V), np.asarray(ref_trainer.target.lif.V))
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_predict_on_a_full_batch_after_fit():
   scenario = Scenario(model='snn')
   _, _, trainer = run(scenario, AccumBPTT, num_micro_batch=4)

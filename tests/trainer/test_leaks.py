@@ -88,6 +88,7 @@ def _accum_bptt_leaves_bp_share_as_it_was(batches, checking):
   assert bp.share.load('t') == 12.5 and bp.share.load('fit') == 'mine' and bp.share.load('i', 'unset') == 'unset'
 
 
+@pytest.mark.long  # the long suite (--long): README suite time
 def test_the_model_still_reads_the_steps_shared_values():
   """Inside the step the model sees ``fit`` and ``t`` as bp.BPTT gives them: the same parameters after a step
   whose output depends on them."""
@@ -116,11 +117,11 @@ def test_the_model_still_reads_the_steps_shared_values():
 
 # each option on one of the two networks, both networks on the first (leak checking compiles everything anew:
 # 20-35 s a trainer, so not every pair)
-@pytest.mark.long  # the long suite (--long): 6 trainers, each compiled (4 of them 'extended': CI leaves them out)
+@pytest.mark.long  # the long suite (--long): 6 trainers, each compiled (5 of them 'extended': CI leaves them out)
 @pytest.mark.parametrize('model, options', [
   pytest.param('rnn', dict(num_micro_batch=3), marks=pytest.mark.extended),
   pytest.param('snn', dict(num_micro_batch=3), marks=pytest.mark.extended),
-  ('snn', dict(num_micro_batch=3, accumulate_steps=2)),
+  pytest.param('snn', dict(num_micro_batch=3, accumulate_steps=2), marks=pytest.mark.extended),
   pytest.param('rnn', dict(num_micro_batch=3, whole_batch_loss=True), marks=pytest.mark.extended),
   pytest.param('snn', dict(num_micro_batch='auto', memory_budget='1GiB'), marks=pytest.mark.extended),
   ('rnn', dict(num_micro_batch='auto', memory_budget='1GiB', remat='auto', loss_has_aux=True)),

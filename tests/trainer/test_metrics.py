@@ -355,8 +355,8 @@ def _step_targets(batch=5):
   return [(x, y)] * 3, lambda p, t: bp.losses.mean_squared_error(p[..., 0].T, t), 1
 
 
-@pytest.mark.parametrize('case', [_class_targets, pytest.param(_step_targets, marks=pytest.mark.long)],
-                         ids=['n_class==B', 'T==B'])  # T==B in the long suite: README suite time
+@pytest.mark.long  # the long suite (--long): README suite time
+@pytest.mark.parametrize('case', [_class_targets, _step_targets], ids=['n_class==B', 'T==B'])
 def test_target_with_two_axes_of_the_batch_size_trains_as_bptt(case):
   """The batch axis is decided from evidence (the loss traced with each choice), not guessed."""
   batches, loss, n_out = case()

@@ -191,6 +191,7 @@ def test_default_mode_warns_once_with_the_measured_difference(case):
 
 
 # (BrainPy's mean_squared_error skips the check: tests/trainer/test_coupled_loss.py)
+@pytest.mark.long  # the long suite (--long): README suite time
 @pytest.mark.parametrize('loss', ['cross_entropy'])
 def test_default_mode_is_silent_on_a_mean_over_samples(loss):
   def cross_entropy(predicts, targets):

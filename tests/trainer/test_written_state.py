@@ -178,6 +178,7 @@ def test_record_without_batch_axis_warns_naming_it(options):
   assert_trees_close(params[:record] + params[record + 1:], expected[:record] + expected[record + 1:])
 
 
+@pytest.mark.long  # the long suite (--long): README suite time (the weights written in update stay)
 @pytest.mark.parametrize('num_micro_batch', [2, pytest.param(3, marks=pytest.mark.long),
                                              pytest.param('auto', marks=[pytest.mark.long, TINY_SIZES])])
 def test_ei_lif_network_with_masked_weights_matches_bptt(num_micro_batch):
