@@ -16,7 +16,7 @@ from typing import Dict, List, NamedTuple
 
 HERE = pathlib.Path(__file__).parent  # tests/support
 ROOT = HERE.parent.parent  # the repository, where the subprocesses run
-TEST_FOLDERS = [str(HERE.parent / name) for name in ('core', 'memory', 'trainer', 'checkpoint', 'bench')]
+TEST_FOLDERS = [str(HERE.parent / name) for name in ('core', 'memory', 'trainer', 'checkpoint', 'bench', 'recipes')]
 
 
 class Job(NamedTuple):

@@ -1,4 +1,4 @@
-"""``python -m brainpy_accum.bench.mnist1d``: spiking networks on MNIST-1D, trained with ``AccumBPTT``.
+"""``python -m brainpy_accum.recipes.mnist1d``: spiking networks on MNIST-1D, trained with ``AccumBPTT``.
 
 MNIST-1D (Greydanus & Kobak) is a published benchmark of 40-sample signals in 10 classes, 4000 for
 training and 1000 for testing; its README table gives logistic regression 32%, MLP 68%, GRU 91%,
@@ -433,7 +433,7 @@ def _seed(text: str) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[dict]:
-  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.mnist1d', description=__doc__.split('\n')[0])
+  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.recipes.mnist1d', description=__doc__.split('\n')[0])
   parser.add_argument('--seeds', nargs='+', type=_seed, default=[0], help='seeds to train (default: 0)')
   parser.add_argument('--models', nargs='*', choices=sorted(MODELS), default=list(MODELS),
                       help='networks to train (default: both; none with --rate-regulariser for that row alone)')

@@ -1,4 +1,4 @@
-"""``python -m brainpy_accum.bench.evidence``: e-prop's evidence-accumulation task, trained with ``AccumBPTT``.
+"""``python -m brainpy_accum.recipes.evidence``: e-prop's evidence-accumulation task, trained with ``AccumBPTT``.
 
 The task of Bellec et al. (Nature Communications 2020), as BrainPy's paper trains it (``figure4A.py``): 7 cues of
 40 Hz spikes on the 25 "left" or "right" input channels, a delay of 1 s and a recall cue, 2,200 steps of 1 ms; the
@@ -37,13 +37,14 @@ from ...memory import compiled_step_bytes, format_memory, parse_memory
 from ...memory._device import device_memory, is_refused_program, refused_bytes
 from ...trainer import AccumBPTT
 from ._network import DT, RECIPE, EvidenceSNN, Recipe, RefractoryALIF, recall_loss
-from ._task import (CHANNELS, FEATURES, HELD_OUT_STREAM, PAPER_PERIODS, Periods, TrainingBatches, Trials, draw_trials,
+from ._task import (CHANNELS, FEATURES, FEATURES_IN, HELD_OUT_STREAM, PAPER_PERIODS, Periods, TrainingBatches, Trials, draw_trials,
                     load_task)
 
 __all__ = ['Periods', 'PAPER_PERIODS', 'Recipe', 'RECIPE', 'RefractoryALIF', 'EvidenceSNN', 'recall_loss', 'Trials',
            'FEATURES', 'CHANNELS', 'load_task', 'draw_trials', 'TrainingBatches', 'Config', 'build_model',
            'make_trainer', 'held_out_runner', 'evaluate', 'bptt_step_memory', 'Run', 'train', 'example_trial',
-           'seconds_per_update', 'first_reaching', 'format_table', 'main']
+           'seconds_per_update', 'first_reaching', 'seconds_to', 'lowest_after', 'largest_bptt_batch', 'format_table',
+           'main']
 
 
 class Config(NamedTuple):
@@ -54,12 +55,18 @@ class Config(NamedTuple):
   periods: Periods = PAPER_PERIODS
   updates: int = 400
   eval_every: int = 25          # updates per epoch: the curve's points
-  lr: float = RECIPE.lr
+  lr: Optional[float] = None    # Adam's learning rate; None: RECIPE.lr_at(neurons), e-prop's scaled by its width
   seed: int = 0
   test_trials: int = 1000
   budget: Optional[int] = None  # AccumBPTT's memory_budget in bytes (needed on a CPU)
   lr_half_life: Optional[int] = None  # updates over which Adam's learning rate halves (None: constant, as e-prop)
   stop_at: Optional[float] = None  # end the run at the first held-out accuracy at least this (e-prop: 0.93)
+  past: int = 0                 # with stop_at: updates trained on after the first evaluation at least stop_at
+
+  @property
+  def learning_rate(self) -> float:
+    """``lr``, or where it is ``None`` the recipe's rule for this width (:meth:`Recipe.lr_at`)."""
+    return RECIPE.lr_at(self.neurons) if self.lr is None else self.lr
 
 
 def build_model(config: Config) -> EvidenceSNN:
@@ -72,7 +79,8 @@ def build_model(config: Config) -> EvidenceSNN:
 def make_trainer(config: Config, model: EvidenceSNN) -> bp.BPTT:
   """``AccumBPTT(num_micro_batch='auto', whole_batch_loss=True)`` or, for ``trainer='bptt'``, ``bp.BPTT``."""
   loss = functools.partial(recall_loss, window=config.periods.recall)
-  lr = config.lr if config.lr_half_life is None else bp.optim.ExponentialDecayLR(config.lr, config.lr_half_life, 0.5)
+  lr = config.learning_rate
+  lr = lr if config.lr_half_life is None else bp.optim.ExponentialDecayLR(lr, config.lr_half_life, 0.5)
   common = dict(optimizer=bp.optim.Adam(lr=lr), loss_has_aux=True, monitors={'spike': model.alif.spike},
                 progress_bar=False, dt=DT)
   if config.trainer == 'bptt':
@@ -125,6 +133,57 @@ def bptt_step_memory(config: Config, sample: Trials, log: Callable = print) -> d
   return found
 
 
+def largest_bptt_batch(config: Config, log: Callable = print, multiple: int = 32,
+                       measured: Optional[dict] = None) -> dict:
+  """The largest batch, a multiple of ``multiple``, whose ``bp.BPTT`` train step fits the device's memory (or
+  ``config.budget``) by XLA's own compilation, searched from ``config.batch``: the batches on either side are
+  bracketed by doubling or halving, then narrowed by the line through their sizes. Each probe compiles the step of
+  a batch of zeros (nothing runs); a step the device refuses to compile does not fit, whatever size it names.
+
+  Returns ``{'batch', 'bytes', 'refused_batch', 'refused_bytes', 'limit', 'multiple', 'probes'}``: ``batch`` is
+  ``None`` where even ``multiple`` trials do not fit; ``probes`` lists every batch compiled, with its figures.
+  ``measured``: figures already known (``{batch: bptt_step_memory(...)}``), not compiled again.
+  """
+  memory = device_memory()
+  limit = config.budget if config.budget is not None else (None if memory is None else memory.limit)
+  if limit is None:
+    raise ValueError('largest_bptt_batch needs a memory limit: this device reports none (a CPU); give '
+                     'config.budget (--budget on the command line), e.g. 2GiB.')
+  probes = dict(measured or {})
+
+  def fits(batch: int) -> bool:
+    if batch in probes:
+      return not probes[batch]['refused'] and probes[batch]['bytes'] <= limit
+    zeros = Trials(np.zeros((batch, config.periods.steps, FEATURES_IN), np.float32), np.zeros(batch, np.int32))
+    probes[batch] = bptt_step_memory(config._replace(batch=batch), zeros, log)
+    return not probes[batch]['refused'] and probes[batch]['bytes'] <= limit
+
+  batch = max(multiple, config.batch // multiple * multiple)
+  if fits(batch):  # bracket: lo fits (0: nothing does), hi does not
+    lo = batch
+    while fits(2 * lo):
+      lo *= 2
+    hi = 2 * lo
+  else:
+    hi = batch
+    while hi > multiple and not fits(max(multiple, hi // 2 // multiple * multiple)):
+      hi = max(multiple, hi // 2 // multiple * multiple)
+    lo = 0 if hi == multiple else max(multiple, hi // 2 // multiple * multiple)
+  while lo and hi - lo > multiple:  # the batch where the line through the two sizes meets the limit
+    line = lo + (limit - probes[lo]['bytes']) * (hi - lo) / max(1, probes[hi]['bytes'] - probes[lo]['bytes'])
+    batch = min(max(int(line) // multiple * multiple, lo + multiple), hi - multiple)
+    if fits(batch):
+      lo = batch
+    else:
+      hi = batch
+  found = {'batch': lo or None, 'bytes': probes[lo]['bytes'] if lo else None, 'refused_batch': hi,
+           'refused_bytes': probes[hi]['bytes'], 'limit': limit, 'multiple': multiple,
+           'probes': [dict(probes[b], batch=b) for b in sorted(probes)]}
+  log(f"bp.BPTT's largest batch that fits {format_memory(limit)}: {found['batch']} (a multiple of {multiple}; "
+      f"{hi} does not), from {len(probes) - len(measured or {})} compilations", flush=True)
+  return found
+
+
 class Run:
   """One run's record: its settings, curve, calls and memory figures, kept beside the checkpoint
   (``PATH.run.json``) so that a later call continues it, and written into ``--out``."""
@@ -132,7 +191,8 @@ class Run:
   def __init__(self, name: str, config: Config, checkpoint: Optional[str]):
     self.name, self.config, self.checkpoint = name, config, checkpoint
     self.path = None if checkpoint is None else checkpoint + '.run.json'
-    asked = dict(config._asdict(), periods=config.periods._asdict(), steps=config.periods.steps)
+    asked = dict(config._asdict(), lr=config.learning_rate, periods=config.periods._asdict(),
+                 steps=config.periods.steps)
     self.record = {'name': name, 'config': asked, 'curve': [], 'calls': [], 'memory': {}, 'finished': False}
     if checkpoint is None or not os.path.exists(checkpoint):
       return
@@ -155,9 +215,11 @@ class Run:
 
   @property
   def finished(self) -> bool:
-    """All updates trained, or (``stop_at``) the held-out accuracy reached."""
-    reached = self.config.stop_at is not None and self.record['curve'][-1]['test_accuracy'] >= self.config.stop_at
-    return reached or self.epochs_done * self.config.eval_every >= self.config.updates
+    """All updates trained, or (``stop_at``) ``past`` updates trained since the held-out accuracy first reached
+    ``stop_at``."""
+    done = min(self.epochs_done * self.config.eval_every, self.config.updates)
+    reached = None if self.config.stop_at is None else first_reaching(self.record, self.config.stop_at)
+    return done >= self.config.updates or (reached is not None and done >= reached + self.config.past)
 
   def save(self, out: Optional[str]) -> None:
     if self.path:
@@ -177,10 +239,33 @@ def _write_json(path: str, value) -> None:
   os.replace(path + '.tmp', path)
 
 
+def _bptt_step_measured(out: Optional[str], record: dict) -> Optional[dict]:
+  """``bp.BPTT``'s step figure of a run in ``out`` of the same network, batch and trial on the same device."""
+  if not out or not os.path.exists(out):
+    return None
+  with open(out) as f:
+    runs = json.load(f)
+  same = ('neurons', 'batch', 'periods')
+  for other in runs:
+    if (other.get('device', {}).get('kind') == record['device']['kind']
+        and other.get('device', {}).get('platform') == record['device']['platform']
+        and all(other['config'].get(k) == record['config'][k] for k in same)
+        and 'bptt_step' in other.get('memory', {})):
+      return dict(other['memory']['bptt_step'], measured_in=other['name'])
+  return None
+
+
 def _bptt_checkpoint(trainer: bp.BPTT) -> types.SimpleNamespace:
   """What the package's checkpoint file holds of a trainer, for ``bp.BPTT`` (which has no counters)."""
   return types.SimpleNamespace(target=trainer.target, optimizer=trainer.optimizer,
                                skipped_steps=bm.Variable(bm.zeros((), dtype=bm.int32)))
+
+
+def _drawing_threads() -> int:
+  """Threads drawing batches ahead: half the host's cores, 2 to 8 (a batch of 512 trials takes about a second of
+  one core, about what the scaled network's update takes on a TPU v5e)."""
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 2)
+  return min(8, max(2, cores // 2))
 
 
 def _machine() -> dict:
@@ -192,21 +277,30 @@ def _machine() -> dict:
 
 
 def train(config: Config, *, name: str, checkpoint: Optional[str] = None, seconds: Optional[float] = None,
-          out: Optional[str] = None, log: Callable = print, started: Optional[float] = None) -> dict:
+          out: Optional[str] = None, log: Callable = print, started: Optional[float] = None,
+          largest_bptt: bool = False) -> dict:
   """Train (or continue) one run; returns its record (``Run.record``), also written to ``out``.
 
   After each epoch (``config.eval_every`` updates) the held-out accuracy is measured and the record written; no
   epoch starts that would end ``seconds`` after ``started`` (by the last one's duration), but a call trains one
   at least. ``config.updates == 0``: the memory figures alone; a finished run: its example made again.
+  ``bp.BPTT``'s step at the run's size is compiled once per run, and not at all where ``out`` holds its figure
+  from a run of the same size on the same device. ``largest_bptt``: also :func:`largest_bptt_batch` (its
+  compilations take a minute or more at the scaled size).
   """
   started = time.perf_counter() if started is None else started
   run = Run(name, config, checkpoint)
   task = load_task(config.periods)
-  batches = TrainingBatches(task, config.batch, config.seed, config.eval_every, config.updates)
+  batches = TrainingBatches(task, config.batch, config.seed, config.eval_every, config.updates,
+                            ahead=_drawing_threads())
   run.record.update(device=_machine(), versions={'python': platform.python_version(), 'jax': jax.__version__,
                                                    'brainpy': bp.__version__})
   if 'bptt_step' not in run.record['memory']:  # once per run: at a large size its compilation takes a while
-    run.record['memory']['bptt_step'] = bptt_step_memory(config, batches.batch_of(0), log)
+    run.record['memory']['bptt_step'] = (_bptt_step_measured(out, run.record)
+                                         or bptt_step_memory(config, batches.batch_of(0), log))
+  if largest_bptt and 'bptt_largest' not in run.record['memory']:
+    run.record['memory']['bptt_largest'] = largest_bptt_batch(
+      config, log, measured={config.batch: run.record['memory']['bptt_step']})
   if config.trainer == 'bptt' and config.updates and run.record['memory']['bptt_step']['refused']:  # before a fit
     raise ValueError(f"bp.BPTT's step at batch {config.batch} does not fit this device: pass a smaller --batch.")
   trainer = make_trainer(config, build_model(config))
@@ -325,15 +419,31 @@ def first_reaching(record: dict, accuracy: float) -> Optional[int]:
   return next((point['updates'] for point in record['curve'] if point['test_accuracy'] >= accuracy), None)
 
 
+def seconds_to(record: dict, accuracy: float) -> Optional[float]:
+  """Seconds of training (fits, compilations included; evaluations not) until the held-out accuracy first reached
+  ``accuracy``, or ``None``."""
+  return next((point['seconds'] for point in record['curve'] if point['test_accuracy'] >= accuracy), None)
+
+
+def lowest_after(record: dict, accuracy: float) -> Optional[float]:
+  """The lowest held-out accuracy at the evaluations after the first at least ``accuracy`` (``None``: none)."""
+  reached = first_reaching(record, accuracy)
+  after = [p['test_accuracy'] for p in record['curve'] if reached is not None and p['updates'] > reached]
+  return min(after) if after else None
+
+
 def format_table(records: Sequence[dict]) -> str:
-  """A Markdown table of the runs: held-out accuracy (first >= 0.93, 0.95; best, last), time and memory."""
-  lines = ['| run | device | updates | first >= 0.93 | first >= 0.95 | best | last | s / update | bp.BPTT step '
-           '| AccumBPTT plan | its step | budget or limit |', '|' + '---|' * 12]
+  """A Markdown table of the runs: held-out accuracy (first >= 0.93, 0.95, the seconds to 0.95, the lowest after
+  it; best, last), time and memory."""
+  lines = ['| run | device | updates | first >= 0.93 | first >= 0.95 | s to 0.95 | lowest after | best | last '
+           '| s / update | bp.BPTT step | AccumBPTT plan | its step | budget or limit |', '|' + '---|' * 14]
   for r in records:
     curve, bptt, plan = r['curve'], r['memory'].get('bptt_step'), r['memory'].get('plan')
     limit, per_update = r['memory'].get('budget') or r['device']['memory_limit'], seconds_per_update(r)
+    to_target, lowest = seconds_to(r, 0.95), lowest_after(r, 0.95)
     cells = [r['name'], r['device']['kind'] or r['device']['platform'], curve[-1]['updates'] if curve else 0,
-             first_reaching(r, 0.93), first_reaching(r, 0.95),
+             first_reaching(r, 0.93), first_reaching(r, 0.95), None if to_target is None else f'{to_target:.0f}',
+             None if lowest is None else f'{lowest:.3f}',
              f"{max(p['test_accuracy'] for p in curve):.3f}" if curve else None,
              f"{curve[-1]['test_accuracy']:.3f}" if curve else None, f'{per_update:.2f}' if per_update else None,
              (format_memory(bptt['bytes']) + (' (refused)' if bptt['refused'] else '')) if bptt else None,
@@ -355,7 +465,7 @@ _POSITIVE, _NON_NEGATIVE = functools.partial(_int_at_least, 1), functools.partia
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
   started = time.perf_counter()
-  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.evidence', description=__doc__.split('\n')[0])
+  parser = argparse.ArgumentParser(prog='python -m brainpy_accum.recipes.evidence', description=__doc__.split('\n')[0])
   parser.add_argument('--trainer', choices=('accum', 'bptt'), default='accum',
                       help="'accum': AccumBPTT(num_micro_batch='auto', whole_batch_loss=True); 'bptt': bp.BPTT")
   parser.add_argument('--neurons', type=_POSITIVE, default=100, help='recurrent neurons (default 100)')
@@ -366,11 +476,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   parser.add_argument('--updates', type=_NON_NEGATIVE, default=400,
                       help='optimizer updates of the whole run (default 400; 0: the memory figures alone)')
   parser.add_argument('--eval-every', type=_POSITIVE, default=25, help='updates between held-out evaluations')
-  parser.add_argument('--lr', type=float, default=RECIPE.lr, help=f"Adam's learning rate (default {RECIPE.lr})")
+  parser.add_argument('--lr', type=float, default=None,
+                      help=f"Adam's learning rate (default: e-prop's {RECIPE.lr} at {RECIPE.lr_width} neurons, times "
+                           f"{RECIPE.lr_width} / --neurons: {RECIPE.lr_at(1024):.3g} at 1024)")
   parser.add_argument('--lr-half-life', type=_POSITIVE, default=None,
                       help="updates over which the learning rate halves, continuously (default: constant, as e-prop)")
   parser.add_argument('--stop-at', type=float, default=None, metavar='ACCURACY',
                       help="end the run once the held-out accuracy reaches this (e-prop's early stop: 0.93)")
+  parser.add_argument('--past', type=_NON_NEGATIVE, default=0, metavar='UPDATES',
+                      help='with --stop-at: train this many updates more after its first evaluation at or above it')
+  parser.add_argument('--largest-bptt-batch', action='store_true',
+                      help="also find bp.BPTT's largest batch (a multiple of 32) whose step this device compiles "
+                           "(with --budget on a CPU); a minute or more of compilations at the scaled size")
   parser.add_argument('--seed', type=_NON_NEGATIVE, default=0)
   parser.add_argument('--test-trials', type=_POSITIVE, default=None, help='held-out trials (default 1000; --quick 200)')
   parser.add_argument('--quick', action='store_true', help='200 held-out trials (unless --test-trials says)')
@@ -383,16 +500,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   args = parser.parse_args([str(a) for a in (sys.argv[1:] if argv is None else argv)])
   if args.trainer == 'accum' and args.budget is None and device_memory() is None:
     parser.error('--budget is needed on a CPU, which reports no memory limit (e.g. --budget 2GiB).')
+  if args.past and args.stop_at is None:
+    parser.error('--past counts updates after --stop-at is reached: give --stop-at too (e.g. --stop-at 0.95).')
+  if args.lr is not None and not args.lr > 0:
+    parser.error(f'--lr {args.lr}: the learning rate must be a positive number.')
+  if args.largest_bptt_batch and args.budget is None and device_memory() is None:
+    parser.error('--largest-bptt-batch needs --budget on a CPU, which reports no memory limit (e.g. --budget 2GiB).')
   periods = Periods(*args.periods)
   config = Config(trainer=args.trainer, neurons=args.neurons, batch=args.batch, periods=periods,
                   updates=args.updates, eval_every=args.eval_every, lr=args.lr, lr_half_life=args.lr_half_life,
-                  stop_at=args.stop_at, seed=args.seed, test_trials=args.test_trials or (200 if args.quick else 1000),
+                  stop_at=args.stop_at, past=args.past, seed=args.seed,
+                  test_trials=args.test_trials or (200 if args.quick else 1000),
                   budget=None if args.budget is None else parse_memory(args.budget))
   name = args.name or (f"{'AccumBPTT' if args.trainer == 'accum' else 'bp.BPTT'} {args.neurons} neurons, "
                        f'batch {args.batch}, {periods.steps} steps, seed {args.seed}'
-                       + ('' if args.lr == RECIPE.lr else f', lr {args.lr:g}')
+                       + ('' if args.lr is None else f', lr {args.lr:g}')
                        + ('' if args.lr_half_life is None else f', lr half-life {args.lr_half_life}'))
-  record = train(config, name=name, checkpoint=args.checkpoint, seconds=args.seconds, out=args.out, started=started)
+  record = train(config, name=name, checkpoint=args.checkpoint, seconds=args.seconds, out=args.out, started=started,
+                 largest_bptt=args.largest_bptt_batch)
   print(format_table([record]), 'finished' if record['finished'] else 'not finished: run it again to go on', sep='\n')
   return record
 

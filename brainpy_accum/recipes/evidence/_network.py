@@ -28,13 +28,33 @@ class Recipe(NamedTuple):
   adaptive_fraction: float = 0.5  # 50 LIF + 50 ALIF neurons
   rate_target: float = 0.01   # spikes per ms: 10 Hz (flag reg_rate)
   rate_weight: float = 1.     # regulariser coefficient (flag reg_f)
-  lr: float = 0.005           # Adam's learning rate (flag learning_rate), constant
+  lr: float = 0.005           # Adam's learning rate (flag learning_rate), constant, at e-prop's width:
+  lr_width: int = 100         # the recurrent neurons e-prop's learning rate was set for (lr_at scales it)
 
   @property
   def beta(self) -> float:
     """The adaptive neurons' threshold increase per spike, e-prop's ``beta_a = 1.7 (1 - rho) / (1 - alpha)``
     (``rho = exp(-dt / tau_a)``, ``alpha = exp(-dt / tau_v)``): 0.0174."""
     return 1.7 * (1 - math.exp(-DT / self.tau_a)) / (1 - math.exp(-DT / self.tau_v))
+
+  def lr_at(self, neurons: int) -> float:
+    """Adam's learning rate for a network of ``neurons`` recurrent neurons: e-prop's ``lr`` at its ``lr_width``
+    (100), scaled as ``lr_width / neurons``.
+
+    Adam moves every weight by about the learning rate per update, whatever its gradient's size, so the change of
+    a neuron's input per update grows with the number of weights feeding it: at 1,024 neurons, e-prop's 0.005
+    moves each recurrent input ten times as far as at 100, and the run diverges (docs/evidence.md measures it).
+    Dividing by the width keeps that change at e-prop's.
+
+    Examples
+    --------
+    >>> from brainpy_accum.recipes.evidence import RECIPE
+    >>> RECIPE.lr_at(100), round(RECIPE.lr_at(1024), 8)
+    (0.005, 0.00048828)
+    """
+    if not isinstance(neurons, int) or isinstance(neurons, bool) or neurons < 1:
+      raise ValueError(f'neurons={neurons!r}: the learning rate is scaled by a positive number of neurons.')
+    return self.lr * self.lr_width / neurons
 
 
 RECIPE = Recipe()

@@ -1,11 +1,11 @@
-"""``python -m brainpy_accum.bench.mnist1d``: its rows, its JSON and its errors, on tiny runs (learning is not asserted)."""
+"""``python -m brainpy_accum.recipes.mnist1d``: its rows, its JSON and its errors, on tiny runs (learning is not asserted)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from brainpy_accum.bench import mnist1d
+from brainpy_accum.recipes import mnist1d
 
 ROW_TYPES = {'model': str, 'kind': str, 'test_accuracy': float, 'trainer': str, 'memory_budget': int,
              'bptt_step_bytes': int, 'plan': str, 'bptt_step_fits_budget': bool, 'accum_step_bytes': int,

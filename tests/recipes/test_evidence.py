@@ -1,4 +1,4 @@
-"""``python -m brainpy_accum.bench.evidence``: e-prop's evidence-accumulation task at a small size (32 neurons or
+"""``python -m brainpy_accum.recipes.evidence``: e-prop's evidence-accumulation task at a small size (32 neurons or
 fewer, trials of 86 to 270 steps): ``AccumBPTT`` trains this network as ``bp.BPTT`` does, training lifts held-out
 accuracy well above chance, and a run cut into calls continues the straight run's curve exactly."""
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT
-from brainpy_accum.bench import evidence
+from brainpy_accum.recipes import evidence
 from brainpy_accum.checkpoint._file import read_tree
 from helpers import assert_trees_close, params_of
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._network import DT
 
-__all__ = ['Periods', 'PAPER_PERIODS', 'Trials', 'FEATURES', 'CHANNELS', 'TRAIN_STREAM', 'HELD_OUT_STREAM',
+__all__ = ['Periods', 'PAPER_PERIODS', 'Trials', 'FEATURES', 'CHANNELS', 'FEATURES_IN', 'TRAIN_STREAM', 'HELD_OUT_STREAM',
            'load_task', 'draw_trials', 'TrainingBatches']
 
 TRAIN_STREAM, HELD_OUT_STREAM = 0, 1  # trials are drawn from (seed, stream, ...)
@@ -41,6 +41,7 @@ class Trials(NamedTuple):
 
 FEATURES = ('left', 'right', 'recall', 'noise')  # the dataset's features, 25 input channels each, in this order
 CHANNELS = 25
+FEATURES_IN = len(FEATURES) * CHANNELS  # the network's inputs: 100
 
 
 def load_task(periods: Periods):
@@ -74,7 +75,7 @@ def draw_trials(task, seed: Sequence[int], n: int) -> Trials:
   probability = np.asarray(templates, np.float32)  # (n, steps, 4)
   order = [task.features[name].i.start for name in FEATURES]
   rng = np.random.default_rng(list(seed))
-  inputs = np.empty(probability.shape[:2] + (len(FEATURES) * CHANNELS,), np.float32)
+  inputs = np.empty(probability.shape[:2] + (FEATURES_IN,), np.float32)
   for k, column in enumerate(order):
     block = rng.random(probability.shape[:2] + (CHANNELS,), dtype=np.float32)
     inputs[..., k * CHANNELS:(k + 1) * CHANNELS] = block < probability[..., column:column + 1]

@@ -1,5 +1,0 @@
-"""``python -m brainpy_accum.bench.evidence``."""
-
-from . import main
-
-main()

@@ -1,0 +1,5 @@
+"""``python -m brainpy_accum.recipes.evidence``."""
+
+from . import main
+
+main()
