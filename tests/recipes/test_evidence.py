@@ -136,10 +136,100 @@ def test_missing_brainpy_datasets_says_how_to_install_it(monkeypatch):
 
 @pytest.mark.parametrize('argv, message', [([], '--budget is needed on a CPU'), (['--neurons', '0'], 'at least 1'),
                                            (['--trainer', 'gru'], 'invalid choice'),
-                                           (['--periods', '1', '2', '3'], 'expected 4 arguments')])
+                                           (['--periods', '1', '2', '3'], 'expected 4 arguments'),
+                                           (['--budget', '1MiB', '--past', '5'], 'give --stop-at too'),
+                                           (['--budget', '1MiB', '--lr', '0'], 'must be a positive number'),
+                                           (['--trainer', 'bptt', '--largest-bptt-batch'], 'needs --budget on a CPU')])
 def test_bad_arguments_are_refused_with_a_message(argv, message, capsys):
-  if argv == [] and evidence.device_memory() is not None:
+  if 'budget' in message and evidence.device_memory() is not None:
     pytest.skip('a GPU or TPU reports its memory limit: no --budget needed there')
   with pytest.raises(SystemExit):
     evidence.main(argv)
   assert message in capsys.readouterr().err
+
+
+def test_the_learning_rate_follows_the_width():
+  """e-prop's 0.005 at its 100 neurons, times 100 / neurons elsewhere; the command's default is the rule, and
+  --lr overrides it (the scaled network diverged at 0.005 on a TPU v5e and learned at about 0.0005)."""
+  assert evidence.RECIPE.lr_at(100) == 0.005
+  assert evidence.RECIPE.lr_at(1024) == pytest.approx(0.005 * 100 / 1024, rel=1e-12)
+  assert evidence.RECIPE.lr_at(50) == pytest.approx(0.01)
+  assert evidence.Config(neurons=1024).learning_rate == evidence.RECIPE.lr_at(1024)
+  assert evidence.Config(neurons=1024, lr=0.002).learning_rate == 0.002
+  parser_default = evidence.Run('r', evidence.Config(neurons=1024), None).record['config']['lr']
+  assert parser_default == pytest.approx(0.00048828125)
+  for bad in (0, -3, 2.5, True):
+    with pytest.raises(ValueError, match=f'neurons={bad!r}'):
+      evidence.RECIPE.lr_at(bad)
+
+
+def test_the_command_trains_at_the_rule_unless_lr_is_given(monkeypatch):
+  seen = []
+  monkeypatch.setattr(evidence, 'train', lambda config, **kw: seen.append((config, kw['name'])) or _empty_record(config))
+  evidence.main(['--neurons', '1024', '--budget', '1GiB'])
+  evidence.main(['--neurons', '1024', '--budget', '1GiB', '--lr', '0.002'])
+  (rule, rule_name), (given, given_name) = seen
+  assert rule.lr is None and rule.learning_rate == pytest.approx(0.00048828125) and 'lr' not in rule_name
+  assert given.learning_rate == 0.002 and given_name.endswith(', lr 0.002')
+
+
+def _empty_record(config):
+  return {'name': 'r', 'curve': [], 'memory': {}, 'device': {'kind': 'cpu', 'platform': 'cpu', 'memory_limit': None},
+          'calls': [], 'finished': True, 'config': {}}
+
+
+def _run_with_curve(config, accuracies):
+  run = evidence.Run('r', config, None)
+  run.record['curve'] = [{'updates': i * config.eval_every, 'test_accuracy': a, 'seconds': 10. * i, 'fit_seconds': 10.}
+                         for i, a in enumerate(accuracies)]
+  return run
+
+
+@pytest.mark.parametrize('accuracies, past, finished', [
+  ([0.5, 0.9, 0.96], 0, True),                # --stop-at alone: the first evaluation at or above it ends the run
+  ([0.5, 0.96, 0.7], 0, True),
+  ([0.5, 0.96, 0.7], 50, False),              # 25 updates past it, 50 asked
+  ([0.5, 0.96, 0.7, 0.97], 50, True),         # 50 past: finished whatever came after
+  ([0.5, 0.9, 0.94, 0.9], 1000, False),       # never reached: on until --updates
+])
+def test_past_trains_on_after_the_first_evaluation_at_stop_at(accuracies, past, finished):
+  run = _run_with_curve(evidence.Config(updates=1000, eval_every=25, stop_at=0.95, past=past), accuracies)
+  assert run.finished is finished
+  assert _run_with_curve(evidence.Config(updates=75, eval_every=25, stop_at=0.95, past=past), accuracies).finished \
+      is (finished or len(accuracies) > 3)
+
+
+def test_the_table_gives_the_seconds_to_95_and_the_lowest_after():
+  record = _run_with_curve(evidence.Config(stop_at=0.95), [0.5, 0.96, 0.7, 0.97]).record
+  record.update(device={'kind': 'TPU v5 lite', 'platform': 'tpu', 'memory_limit': 2 ** 34}, calls=[])
+  assert evidence.first_reaching(record, 0.95) == 25 and evidence.seconds_to(record, 0.95) == 10.
+  assert evidence.lowest_after(record, 0.95) == 0.7 and evidence.lowest_after(record, 0.99) is None
+  row = evidence.format_table([record]).splitlines()[-1]
+  assert '| 25 | 10 | 0.700 | 0.970 | 0.970 |' in row
+
+
+@pytest.mark.long  # about 10 s: a handful of bp.BPTT step compilations
+def test_largest_bptt_batch_is_the_last_multiple_whose_step_fits_the_budget():
+  """The search's answer fits the budget by XLA's analysis and the next multiple does not; the step grows with
+  the batch, so every probe below the answer fits and every one above does not."""
+  config = TINY._replace(batch=64)
+  sizes = {b: evidence.bptt_step_memory(config._replace(batch=b), _zeros(config, b))['bytes'] for b in (40, 48)}
+  budget = (sizes[40] + sizes[48]) // 2
+  found = evidence.largest_bptt_batch(config._replace(budget=budget), multiple=8)
+  assert found['batch'] == 40 and found['refused_batch'] == 48 and found['bytes'] == sizes[40] <= budget
+  assert found['refused_bytes'] == sizes[48] > budget
+  assert all((p['bytes'] <= budget) == (p['batch'] <= 40) for p in found['probes'])
+  nothing = evidence.largest_bptt_batch(config._replace(budget=1), multiple=8)
+  assert nothing['batch'] is None and nothing['refused_batch'] == 8
+
+
+def test_largest_bptt_batch_needs_a_limit_on_a_cpu():
+  if evidence.device_memory() is not None:
+    pytest.skip('a GPU or TPU reports its memory limit')
+  with pytest.raises(ValueError, match='needs a memory limit.*--budget'):
+    evidence.largest_bptt_batch(TINY)
+
+
+def _zeros(config, batch):
+  return evidence.Trials(np.zeros((batch, config.periods.steps, evidence.FEATURES_IN), np.float32),
+                         np.zeros(batch, np.int32))

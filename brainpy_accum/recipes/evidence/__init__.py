@@ -463,8 +463,7 @@ def _int_at_least(minimum: int, text: str) -> int:
 _POSITIVE, _NON_NEGATIVE = functools.partial(_int_at_least, 1), functools.partial(_int_at_least, 0)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
-  started = time.perf_counter()
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog='python -m brainpy_accum.recipes.evidence', description=__doc__.split('\n')[0])
   parser.add_argument('--trainer', choices=('accum', 'bptt'), default='accum',
                       help="'accum': AccumBPTT(num_micro_batch='auto', whole_batch_loss=True); 'bptt': bp.BPTT")
@@ -497,6 +496,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   parser.add_argument('--seconds', type=float, default=None, help='stop at an epoch boundary within about S s')
   parser.add_argument('--name', default=None, help='the run\'s name in --out (default: from the settings)')
   parser.add_argument('--out', default=None, help='a JSON list of runs: this run is added or replaced by name')
+  return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+  started = time.perf_counter()
+  parser = _parser()
   args = parser.parse_args([str(a) for a in (sys.argv[1:] if argv is None else argv)])
   if args.trainer == 'accum' and args.budget is None and device_memory() is None:
     parser.error('--budget is needed on a CPU, which reports no memory limit (e.g. --budget 2GiB).')
