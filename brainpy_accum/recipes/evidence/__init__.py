@@ -37,8 +37,8 @@ from ...memory import compiled_step_bytes, format_memory, parse_memory
 from ...memory._device import device_memory, is_refused_program, refused_bytes
 from ...trainer import AccumBPTT
 from ._network import DT, RECIPE, EvidenceSNN, Recipe, RefractoryALIF, recall_loss
-from ._task import (CHANNELS, FEATURES, FEATURES_IN, HELD_OUT_STREAM, PAPER_PERIODS, Periods, TrainingBatches, Trials, draw_trials,
-                    load_task)
+from ._task import (CHANNELS, FEATURES, FEATURES_IN, HELD_OUT_STREAM, PAPER_PERIODS, Periods, TrainingBatches, Trials,
+                    draw_trials, load_task)
 
 __all__ = ['Periods', 'PAPER_PERIODS', 'Recipe', 'RECIPE', 'RefractoryALIF', 'EvidenceSNN', 'recall_loss', 'Trials',
            'FEATURES', 'CHANNELS', 'load_task', 'draw_trials', 'TrainingBatches', 'Config', 'build_model',
@@ -201,8 +201,8 @@ class Run:
                        f'updates it holds is lost. Remove the checkpoint to start afresh, or name another.')
     with open(self.path) as f:
       saved = json.load(f)
-    differ = {k: (saved['config'].get(k), v) for k, v in asked.items() if k != 'updates'}
-    differ = {k: (a, b) for k, (a, b) in differ.items() if a != b}
+    saved_config = dict(Config._field_defaults, **saved['config'])  # (records older than a setting lack it)
+    differ = {k: (saved_config.get(k), v) for k, v in asked.items() if k != 'updates' and saved_config.get(k) != v}
     if differ:
       raise ValueError(f'--checkpoint {checkpoint} holds a run with other settings: '
                        + ', '.join(f'{k} {a!r} there, {b!r} asked' for k, (a, b) in differ.items())
