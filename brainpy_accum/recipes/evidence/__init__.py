@@ -201,7 +201,7 @@ class Run:
                        f'updates it holds is lost. Remove the checkpoint to start afresh, or name another.')
     with open(self.path) as f:
       saved = json.load(f)
-    saved_config = dict(Config._field_defaults, **saved['config'])  # (records older than a setting lack it)
+    saved_config = dict(Config()._asdict(), **saved['config'])  # (records older than a setting lack it)
     differ = {k: (saved_config.get(k), v) for k, v in asked.items() if k != 'updates' and saved_config.get(k) != v}
     if differ:
       raise ValueError(f'--checkpoint {checkpoint} holds a run with other settings: '
