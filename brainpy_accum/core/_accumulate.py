@@ -276,7 +276,8 @@ def _check_mesh_option(mesh, mesh_axis) -> Optional[str]:
 
 def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchPlan, batched, tree, samples_like,
              randoms, report: WriteReport) -> Sums:
-  """:func:`accumulate` on each device's share of the batch (``plan``: one share's micro-batches), then the
+  """:func:`accumulate` on each device's share of the batch (``plan``: one share's micro-batches; ``micro_fn`` as
+  ``make(args, axes, plan, states) -> micro_fn``, built inside the share), then the
   devices' sums added by one all-reduce. Batched states are split like the arguments; others are replicated
   (states written without a batch axis: ``report`` hears where the devices wrote different values)."""
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
@@ -291,7 +292,8 @@ def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchP
     local_args = treedef.unflatten([x if s else next(mapped) for x, s in zip(leaves, static)])
     params = jax.tree_util.tree_map(lambda s: s.value, tree, is_leaf=is_state)
     with per_device_random(randoms, mesh_axis):
-      sums = accumulate(micro_fn, local_args, axes, plan, batched, params, share_like, report=report)
+      sums = accumulate(micro_fn(local_args, axes, plan, batched), local_args, axes, plan, batched, params, share_like,
+                        report=report)
     if sums.written.states:
       report.report(sums.written._replace(apart=apart_across_devices(sums.written, mesh_axis)),
                     "what one device's last micro-batch wrote")
@@ -430,8 +432,8 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
       grads, loss, aux, _, samples = _micro_fn(loss_and_new, grad_states, weigh, None)(args, batch)
       created = log[-1]
     else:
-      sums, keep = _sums(loss_and_new, grad_states, named, grad_ids, weigh, args, axes, plan, batch, params, tree,
-                         mesh, mesh_axis, report)
+      sums, keep = _sums(loss_and_new, grad_states, named, grad_ids, weigh, grad_reduction, args, axes, plan, batch,
+                         params, tree, mesh, mesh_axis, report)
       grads = finish_grads(sums.grad_sum, sums.total_weight, grad_reduction, params)
       loss, aux = finish_values((sums.loss_sum, sums.aux_sum), sums.total_weight, grad_reduction)
       samples, created = sums.samples, [log[-1][i] for i in keep]
@@ -454,20 +456,40 @@ def _weigh(grad_reduction: str, loss_weight_fn: Optional[Callable], micro_args, 
   return weight
 
 
-def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, args, axes, plan: MicroBatchPlan, batch: int,
-          params, tree, mesh: Optional[Mesh], mesh_axis: Optional[str], report: WriteReport) -> Tuple[Sums, list]:
+def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, reduction: str, args, axes, plan: MicroBatchPlan,
+          batch: int, params, tree, mesh: Optional[Mesh], mesh_axis: Optional[str], report: WriteReport
+          ) -> Tuple[Sums, list]:
   """:func:`micro_batched_grad`'s sums of a batch of several micro-batches (on ``mesh``: of every device's share,
   added), and which of the States the loss creates hold the batch (``keep``)."""
-  if mesh is None:
-    batched, keep, samples_like = prepare_states(named, loss_and_new, args, batch, grad_ids, weigh)
-    with declared_batch_axes(batched):
-      return accumulate(_micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched, params,
-                        samples_like, report=report), keep
   touched = []
   batched, keep, samples_like = prepare_states(named, _recording(loss_and_new, touched), args, batch, grad_ids, weigh)
   cut = {id(s) for s, _ in batched}
   randoms = list({id(s): s for s in touched
                   if isinstance(s, brainstate.random.RandomState) and id(s) not in cut}.values())
+  micro_fn = _micro_fn(loss_and_new, grad_states, weigh, keep)
   with declared_batch_axes(batched):
-    return _on_mesh(mesh, mesh_axis, _micro_fn(loss_and_new, grad_states, weigh, keep), args, axes, plan, batched,
-                    tree, samples_like, randoms, report), keep
+    micro_fn = _seeing_statistics(micro_fn, loss_and_new, weigh, reduction, args, axes, plan, batched, randoms,
+                                  mesh_axis)
+    if mesh is None:
+      return accumulate(micro_fn(args, axes, plan, batched), args, axes, plan, batched, params, samples_like,
+                        report=report), keep
+    return _on_mesh(mesh, mesh_axis, micro_fn, args, axes, plan, batched, tree, samples_like, randoms, report), keep
+
+
+def _seeing_statistics(micro_fn, loss_and_new, weigh, reduction: str, args, axes, plan: MicroBatchPlan, batched,
+                       randoms, mesh_axis: Optional[str]) -> Callable:
+  """``micro_fn`` as ``make(args, axes, plan, states) -> micro_fn``: where the loss marks batch statistics
+  (:mod:`~brainpy_accum.core._batch_stats`), their pass over the micro-batches runs first (on a mesh, inside each
+  device's share, added over the devices) and the returned ``micro_fn`` sees the whole batch's."""
+  from ._batch_stats import statistic_calls, statistics_pass, with_statistics  # (it builds on this module)
+  loss_of = lambda micro_args, n: loss_and_new(*micro_args)  # noqa: E731
+  if not statistic_calls(loss_of, args, axes, batched, plan):
+    return lambda *_: micro_fn
+  across = None if mesh_axis is None else functools.partial(jax.lax.psum, axis_name=mesh_axis)
+  replayed = [s for s, _ in batched] + list(randoms)
+
+  def make(args, axes, plan, states):
+    found = statistics_pass(loss_of, weigh, args, axes, plan, states, replayed, across)
+    return with_statistics(micro_fn, found, weigh, reduction)
+
+  return make

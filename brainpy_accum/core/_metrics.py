@@ -26,7 +26,7 @@ import numpy as np
 
 from ._combine import weighted_sum
 from ._cut import MicroBatchPlan
-from ._shapes import second_sizes, traced_shapes
+from ._batch import second_sizes, traced_shapes
 
 __all__ = ['AUX_REDUCTIONS', 'MetricsError', 'MetricRule', 'MetricPlan', 'across_devices', 'check_aux_reduction',
            'combine_on_host', 'default_reduction', 'finish_metrics', 'join_metrics', 'metric_rules', 'metric_name',

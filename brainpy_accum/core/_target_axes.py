@@ -17,7 +17,7 @@ import numpy as np
 from brainpy import tools
 
 from ._batch import ambiguous_targets_error, describe_leaf, is_array
-from ._shapes import first_samples, traced_shapes
+from ._batch import first_samples, traced_shapes
 from ._states import batched_variables, declared_batch_axes
 
 __all__ = ['TargetAxes', 'decide_target_axes', 'evidence_sizes']

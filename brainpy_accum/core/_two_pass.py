@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from ._accumulate import MicroResult, Sums, accumulate
 from ._cut import MicroBatchPlan
 from ._metrics import MetricPlan
-from ._shapes import second_sizes, traced_shapes
+from ._batch import second_sizes, traced_shapes
 from ._states import restore_values, values_of
 from ._written import WriteReport, restart
 

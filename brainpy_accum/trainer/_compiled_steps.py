@@ -20,11 +20,12 @@ import jax.numpy as jnp
 from brainpy import tools
 from jax.sharding import Mesh
 
+from ..core._batch_stats import statistic_calls, statistics_pass, with_statistics
 from ..core._combine import same_type
 from ..core._cut import MicroBatchPlan
 from ..core._metrics import WHOLE_METRICS, MetricPlan, metric_plan_of
 from ..core._mesh import random_states
-from ..core._shapes import traced_shapes
+from ..core._batch import traced_shapes
 from ..core._states import whole_batch_variables
 from ..core._two_pass import Devices, two_pass_sums
 from ..core._written import WriteEvidence, WriteReport
@@ -99,6 +100,7 @@ class CompiledSteps:
     self.trace_counts = {'fit': 0, 'loss': 0}
     self.metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
     self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
+    self._statistic_calls: Dict[tuple, list] = {}  # the batch statistics loss_fun marks, per plan and batch shape
     self.found_reductions: Dict[str, str] = {}  # undeclared scalar metrics' reductions, found by the loss check
     # warns of Variables without a batch axis that the micro-batches wrote differently, by their names in the model;
     # the steps' flags are an output of each step (a Variable), read where the fit loop reads the losses
@@ -201,9 +203,10 @@ class CompiledSteps:
         self.check_flat_states(shared_args, (inputs, targets), axes, plan, states, layout.batch_size)
       whole = one_piece or (two_passes is not None and (plan.num_micro_batches > 1 or not alone))
       metrics = WHOLE_METRICS if whole else self._metric_plan(shared_args, (inputs, targets), axes, plan, states)
+      statistics = None if whole else self._statistics(shared_args, (inputs, targets), axes, plan, states)
       sums_of = functools.partial(batch_sums, micro_step(parts.loss_and_aux, shared_args, params, parts.weigh),
                                   axes=axes, plan=plan, states=states, params=params, alone=alone,
-                                  two_passes=two_passes, metrics=metrics, report=self.writes)
+                                  two_passes=two_passes, metrics=metrics, report=self.writes, statistics=statistics)
       finish = functools.partial(settle, reduction=options.grad_reduction, skip_nonfinite=options.skip_nonfinite
                                  and with_grads, window=window, update=update, metrics=metrics, report=self.writes)
       if options.mesh is None:
@@ -235,8 +238,7 @@ class CompiledSteps:
     from the metrics' shapes at two micro-batch sizes, traced only (nothing runs, nothing changes)."""
     if not self.options.loss_has_aux:
       return None
-    key = (plan[:4], tuple((tuple(jnp.shape(x)), str(jnp.result_type(x))) for x in
-                           jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, bm.Array))))
+    key = (plan[:4], _shapes_key(args))
     if key not in self._metric_plans:  # the train and evaluation steps of a batch shape trace it once
       self._metric_plans[key] = metric_plan_of(
         lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args)[1], args, axes, plan, states,
@@ -244,12 +246,37 @@ class CompiledSteps:
     self.metric_rules = self._metric_plans[key]
     return self.metric_rules
 
+  def _statistics(self, shared_args, args, axes, plan: MicroBatchPlan, states) -> Optional[Callable]:
+    """Where ``loss_fun`` marks batch statistics (:func:`~brainpy_accum.batch_mean`), what
+    :func:`~brainpy_accum.trainer._step.batch_sums` runs for them: their pass over the micro-batches (on a mesh,
+    added over the devices), then the micro-batches' losses seeing the whole batch's (found by tracing the
+    loss at two micro-batch sizes, once per plan and batch shape; ``None``: the loss marks none)."""
+    key = (plan[:4], _shapes_key(args))
+    if key not in self._statistic_calls:
+      self._statistic_calls[key] = statistic_calls(
+        lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args), args, axes, states, plan)
+    if not self._statistic_calls[key]:
+      return None
+    options, loss_of = self.options, lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args)
+    across = None if options.mesh is None else functools.partial(jax.lax.psum, axis_name=options.mesh_axis)
+
+    def statistics(micro_fn, args, axes, plan, states):
+      found = statistics_pass(loss_of, self.parts.weigh, args, axes, plan, states, self._replayed(), across)
+      return with_statistics(micro_fn, found, self.parts.weigh, options.grad_reduction)
+
+    return statistics
+
+  def _replayed(self) -> list:
+    """The states a second pass over the micro-batches starts again from: the model's Variables but its
+    parameters, and its random keys."""
+    model = self.parts.model
+    replayed = [v for v in model.vars().unique().values() if not isinstance(v, bm.TrainVar)]
+    return replayed + [v for v in random_states(model) if all(v is not r for r in replayed)]
+
   def _two_passes(self, shared_args, targets, params):
     """``whole_batch_loss=True``: the core's two passes (:mod:`~brainpy_accum.core._two_pass`) as
     ``two_passes(args, axes, plan, states)``."""
-    model = self.parts.model
-    replayed = [v for v in model.vars().unique().values() if not isinstance(v, bm.TrainVar)]
-    replayed += [v for v in random_states(model) if all(v is not r for r in replayed)]
+    replayed = self._replayed()
     devices = None if self.options.mesh is None else Devices(self.options.mesh_axis, self.options.devices)
     return functools.partial(two_pass_sums, self.parts.forward(shared_args),
                              lambda p: self.parts.loss_of(p, targets), params, replayed, devices=devices,
@@ -328,3 +355,9 @@ class CompiledSteps:
         self.parts.note_compilations('fit', 1)
 
     return PlannedStep(step_memory(compiled), lambda: jax.block_until_ready(compiled(values, inputs, targets)), keep)
+
+
+def _shapes_key(args) -> tuple:
+  """The shapes and dtypes of ``args``' leaves: what a trace of the loss at a plan depends on."""
+  return tuple((tuple(jnp.shape(x)), str(jnp.result_type(x)))
+               for x in jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, bm.Array)))

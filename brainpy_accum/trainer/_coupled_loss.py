@@ -116,7 +116,8 @@ def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan,
                   UserWarning, stacklevel=2)
     return
   for point in usable:
-    if warn_coupled_loss(whole[point], combined[point], plan, reduction, POINTS[point], magnitude=magnitude[point]):
+    if warn_coupled_loss(whole[point], combined[point], plan, reduction, POINTS[point], magnitude=magnitude[point],
+                         statistics=names.statistics):
       return
   if evidence.gaps is not None and LEVELS in usable:
     for path, (difference, scale) in zip(names.leaves, np.asarray(evidence.gaps, np.float64)):
@@ -124,7 +125,8 @@ def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan,
         _warn_coupled(f'its gradient with respect to {path} on the whole batch differs from the gradient of the '
                       f'{"sum" if reduction == "sum" else "weighted mean"} of its values on the '
                       f'{plan.describe_cuts()} micro-batches by up to {difference / scale:.3g} of its largest entry '
-                      f'(the loss itself: {whole[LEVELS]:.7g} and {combined[LEVELS]:.7g})', POINTS[LEVELS])
+                      f'(the loss itself: {whole[LEVELS]:.7g} and {combined[LEVELS]:.7g})', POINTS[LEVELS],
+                      names.statistics)
         return
 
 
@@ -140,8 +142,8 @@ def found_reductions(undecided: Sequence, evidence: Sequence, plan: MicroBatchPl
     whole = [np.asarray(values[k]) for values, _ in evidence]
     candidates = [[np.asarray(c) for c in copies[k]] for _, copies in evidence]
     fits = reductions_that_fit(whole, candidates)
-    if len(fits) == 1:
-      if fits[0] != default:
+    if len(fits) == 1 or (default in fits and _reads_the_whole_batch(whole)):
+      if len(fits) == 1 and fits[0] != default:
         found[path] = fits[0]
       continue
     first = next((p for p, w in enumerate(whole) if np.all(np.isfinite(w.astype(np.float64)))), 0)
@@ -160,6 +162,14 @@ def found_reductions(undecided: Sequence, evidence: Sequence, plan: MicroBatchPl
                   f'(stitched exactly) or a mean over samples, or pass whole_batch_loss=True to compute the metrics '
                   f'on the whole batch.', UserWarning, stacklevel=3)
   return found
+
+
+def _reads_the_whole_batch(whole: Sequence[np.ndarray]) -> bool:
+  """Whether a metric that every micro-batch gives the same value (every reduction fits) changes from one point
+  to the next: it reads the whole batch's outputs (a function of batch statistics), so any reduction is exact.
+  (One constant at every point, e.g. of the parameters alone, could still differ at the model's outputs.)"""
+  finite = [w.astype(np.float64) for w in whole if np.all(np.isfinite(w.astype(np.float64)))]
+  return any(w.shape != finite[0].shape or not np.allclose(w, finite[0], rtol=1e-5, atol=1e-6) for w in finite[1:])
 
 
 def _could_not_check(error: Exception) -> None:
@@ -264,29 +274,44 @@ def _show(value: np.ndarray) -> str:
 
 
 def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str, point: str,
-                      rtol: float = 1e-5, atol: float = 1e-6, magnitude: float = 0.) -> bool:
+                      rtol: float = 1e-5, atol: float = 1e-6, magnitude: float = 0.,
+                      statistics: Sequence[str] = ()) -> bool:
   """Warn if the loss of the whole batch differs from the combination of its micro-batch losses, both at the
   same random outputs (drawn as ``point`` says).
 
   A loss that is a weighted mean (``'sum'``: a sum) of per-sample terms agrees to float32 round-off at any
   outputs; one that couples the samples does not. Round-off is relative to the larger of the whole batch's loss
   and ``magnitude``, the same combination of the micro-batch losses' absolute values (they may cancel where the
-  micro-batches lie at levels of their own). Returns whether it warned.
+  micro-batches lie at levels of their own). ``statistics``: the names of the batch statistics the loss marks
+  (:func:`~brainpy_accum.batch_mean`), which each micro-batch's loss saw whole. Returns whether it warned.
   """
   if abs(whole - combined) <= atol + rtol * max(abs(whole), abs(magnitude)):
     return False
   how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
   _warn_coupled(f'its value on the whole batch is {whole:.7g}, but the {how} of its values on the '
-                f'{plan.describe_cuts()} micro-batches is {combined:.7g} (difference {whole - combined:.3g})', point)
+                f'{plan.describe_cuts()} micro-batches is {combined:.7g} (difference {whole - combined:.3g})', point,
+                statistics)
   return True
 
 
-def _warn_coupled(what: str, point: str) -> None:
-  warnings.warn(f'loss_fun couples the samples of a batch: with the first batch\'s data and random outputs '
-                f'({point}) in place of the model\'s, {what}. Accumulating micro-batch gradients would train that '
-                f'other objective (e.g. a batch-wide firing-rate regulariser, or a spike count summed over the batch, '
-                f'shrinks with the micro-batch). Pass whole_batch_loss=True to train the whole-batch loss exactly '
-                f'(about one extra forward pass), or make the loss a mean over samples.', UserWarning, stacklevel=4)
+def _warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
+  seen = f'random outputs ({point}) in place of the model\'s, {what}'
+  if statistics:
+    warnings.warn(f'loss_fun couples the samples of a batch beyond its batch statistics '
+                  f'({", ".join(statistics)}, which every micro-batch sees whole): with the first batch\'s data and '
+                  f'{seen}. A term that reads a batch statistic per sample (e.g. mean((x - batch_mean(x)) ** 2)), a '
+                  f'statistic of a statistic, or another mean over the batch left unmarked is not exact over '
+                  f'micro-batches: accumulating their gradients would train another objective. Write it as a function '
+                  f'of batch statistics alone (e.g. batch_mean(x ** 2) - batch_mean(x) ** 2), or pass '
+                  f'whole_batch_loss=True to train the whole-batch loss exactly.', UserWarning, stacklevel=4)
+    return
+  warnings.warn(f'loss_fun couples the samples of a batch: with the first batch\'s data and {seen}. Accumulating '
+                f'micro-batch gradients would train that other objective (e.g. a batch-wide firing-rate regulariser, '
+                f'or a spike count summed over the batch, shrinks with the micro-batch). Two ways train the '
+                f'whole-batch loss exactly: where the coupling is a mean or a sum over the batch (a firing rate), '
+                f'compute it with brainpy_accum.batch_mean(x, axis=...) or batch_sum (each micro-batch then sees the '
+                f'whole batch\'s value, at one micro-batch\'s memory); for any loss, pass whole_batch_loss=True (it '
+                f'keeps the whole batch\'s outputs); or make the loss a mean over samples.', UserWarning, stacklevel=4)
 
 
 def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan: MicroBatchPlan,

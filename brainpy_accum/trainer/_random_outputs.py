@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._accumulate import MicroResult, accumulate
+from ..core._batch_stats import Statistics, applying, statistic_calls, statistics_pass
 from ..core._batch import is_array
 from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan
 from ..core._metrics import (AUX_REDUCTIONS, MetricPlan, default_reduction, finish_metrics, metric_name,
                              plan_from_shapes, undeclared_leaves, with_candidates)
-from ..core._shapes import first_samples
+from ..core._batch import first_samples
 from ..core._two_pass import second_sizes, traced_shapes
 
 __all__ = ['CheckNames', 'Evidence', 'LEVELS', 'POINTS', 'loss_at_random_outputs', 'random_outputs']
@@ -117,7 +118,8 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   metric_plan, undecided, metrics = _point_metrics(loss_of if has_metrics else None, args, axes, points[0], out_axes,
                                                    plan, declared, reduction, names)
   with_grads = wholes[LEVELS][2] is not None
-  micro_fn = _check_at_points(loss_of, weigh, undecided, points[LEVELS], out_axes, with_grads)
+  statistics = _statistics_at_points(loss_of, weigh, args, axes, points, out_axes, plan, names)
+  micro_fn = _check_at_points(loss_of, weigh, undecided, points[LEVELS], out_axes, with_grads, statistics, reduction)
   like, cut = _gradients_like(points[LEVELS], out_axes)
   split = lambda items, batch: [x for x, c in zip(items, cut) if c == batch]
   sums = accumulate(micro_fn, tuple(args) + tuple(points), list(axes) + list(out_axes) * len(POINTS), plan, [],
@@ -145,6 +147,25 @@ def _point_metrics(loss_of: Optional[Callable], args: tuple, axes, outputs, out_
                                               stitched_like=one.stitched_like * len(POINTS))
 
 
+def _statistics_at_points(loss_of: Callable, weigh: Callable, args: tuple, axes, points: list, out_axes,
+                          plan: MicroBatchPlan, names) -> Optional[List[Statistics]]:
+  """Where ``loss_fun`` marks batch statistics (:func:`~brainpy_accum.batch_mean`), their values over the
+  whole batch at every point, from one pass over the micro-batches, as a train step computes them (``names``
+  receives theirs); ``None``: it marks none."""
+  names.statistics[:] = statistic_calls(lambda micro_args, n: loss_of(micro_args[2], micro_args[1]),
+                                        tuple(args) + (points[0],), list(axes) + list(out_axes), [], plan)
+  if not names.statistics:
+    return None
+
+  def every_point(micro_args, n):
+    for point in range(len(POINTS)):
+      loss_of(micro_args[2 + point], micro_args[1])
+
+  found = statistics_pass(every_point, lambda micro_args, n: weigh(micro_args[:2], n), tuple(args) + tuple(points),
+                          list(axes) + list(out_axes) * len(POINTS), plan, [], [])
+  return [found.part(point, len(POINTS)) for point in range(len(POINTS))]
+
+
 def _gradients_like(outputs, out_axes) -> Tuple[list, list]:
   """The floating output leaves (the gradients' shapes: summed where whole, stitched on the batch axis where
   cut) and, for each, whether it has a batch axis."""
@@ -152,11 +173,13 @@ def _gradients_like(outputs, out_axes) -> Tuple[list, list]:
   return [leaves[i] for i in floating], [out_axes[i] is not None for i in floating]
 
 
-def _check_at_points(loss_of: Callable, weigh: Callable, undecided: list, outputs, out_axes, with_grads: bool) -> Callable:
+def _check_at_points(loss_of: Callable, weigh: Callable, undecided: list, outputs, out_axes, with_grads: bool,
+                     statistics: Optional[List[Statistics]] = None, reduction: str = 'mean') -> Callable:
   """The engine's ``micro_fn`` of the check: at every point the micro-batch's loss, its metrics (each undecided one
   per candidate) and ``|loss|``; at LEVELS each micro-batch's loss differentiated with respect to its slice of
   the outputs (the gradient of the combination: every slice's weighted gradient in its place, the weighted sum
-  for outputs without a batch axis), cheaper to compile than the gradient of the scan."""
+  for outputs without a batch axis), cheaper to compile than the gradient of the scan. ``statistics``: the
+  whole batch's batch statistics at each point, which every micro-batch's loss sees as in a train step."""
   _, cut = _gradients_like(outputs, out_axes)
   split = lambda items, batch: [x for x, c in zip(items, cut) if c == batch]
 
@@ -171,10 +194,11 @@ def _check_at_points(loss_of: Callable, weigh: Callable, undecided: list, output
     losses, auxs, grads = [], [], None
     for point in range(len(POINTS)):
       at = lambda outputs: micro_loss(micro_args, outputs)
-      if point == LEVELS and with_grads:
-        loss, aux, grads = _with_gradients(at, micro_args[2 + point], required=True)
-      else:
-        loss, aux = at(micro_args[2 + point])
+      with applying(None if statistics is None else statistics[point], weight, reduction):
+        if point == LEVELS and with_grads:
+          loss, aux, grads = _with_gradients(at, micro_args[2 + point], required=True)
+        else:
+          loss, aux = at(micro_args[2 + point])
       losses.append(bm.as_jax(loss).astype(jnp.float32))
       auxs.append(aux)
     if grads is None:
@@ -273,8 +297,8 @@ def _metrics_by_shapes(loss_of: Optional[Callable], args: tuple, axes, declared,
 
 class CheckNames:
   """Lists to fill while tracing, hashable by identity, so that ``jit`` can take them as a static argument:
-  the declared scalar metrics ``(path, name, reduction)``, the undeclared ones ``(path, name)`` and the paths of
-  the floating outputs (``predicts[...]``)."""
+  the declared scalar metrics ``(path, name, reduction)``, the undeclared ones ``(path, name)``, the paths of
+  the floating outputs (``predicts[...]``) and the names of the batch statistics the loss marks."""
 
   def __init__(self):
-    self.metrics, self.undecided, self.leaves = [], [], []
+    self.metrics, self.undecided, self.leaves, self.statistics = [], [], [], []

@@ -78,14 +78,17 @@ def micro_step(loss_and_aux: Callable, shared_args, params: Optional[dict], weig
 
 def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: MicroBatchPlan, states: Sequence,
                params: Optional[dict], alone: bool, two_passes: Optional[Callable] = None,
-               metrics: Optional[MetricPlan] = None, report: Optional[WriteReport] = None) -> Sums:
+               metrics: Optional[MetricPlan] = None, report: Optional[WriteReport] = None,
+               statistics: Optional[Callable] = None) -> Sums:
   """The weighted sums of ``plan``'s micro-batches of ``args`` (this device's share), from the core.
 
   ``alone``: nothing else is added to this batch (no mesh, no window), so a batch in one piece is its own
   mean, weight ``1``: :class:`brainpy.BPTT`'s step, bit for bit. ``two_passes(args, axes, plan, states)``,
   given, runs a batch of several micro-batches instead (``whole_batch_loss=True``; also weight ``1``).
   ``metrics``: how the metrics combine (:mod:`~brainpy_accum.core._metrics`); a batch in one piece and the two
-  passes give the whole batch's metrics as they are.
+  passes give the whole batch's metrics as they are. ``statistics(micro_fn, args, axes, plan, states)``, given
+  (a loss that marks batch statistics, :mod:`~brainpy_accum.core._batch_stats`), runs their pass over the
+  micro-batches and returns ``micro_fn`` seeing them.
   """
   if plan.num_micro_batches == 1 and alone:
     out = micro_fn(args, plan.batch_size)
@@ -93,6 +96,8 @@ def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: Micro
   if two_passes is not None and (plan.num_micro_batches > 1 or not alone):
     return two_passes(args, axes, plan, states)
   grads_like = None if params is None else {k: v.value for k, v in params.items()}
+  if statistics is not None:
+    micro_fn = statistics(micro_fn, args, axes, plan, states)
   return accumulate(micro_fn, args, axes, plan, states, grads_like, metrics=metrics, report=report)
 
 

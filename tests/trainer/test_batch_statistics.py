@@ -1,0 +1,134 @@
+"""Batch statistics in the loss (``batch_mean``, ``batch_sum``): the default mode trains a loss that is a mean over
+samples plus any function of batch statistics as bp.BPTT trains it on the whole batch (parameters after several
+updates, losses, metrics), at one micro-batch's memory; other uses of a statistic are warned of by name."""
+
+import warnings
+
+import brainpy as bp
+import brainpy.math as bm
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from brainpy_accum import AccumBPTT, batch_mean, batch_sum, micro_batched_grad
+from brainpy_accum.core._batch_stats import StatisticsError
+from helpers import assert_trees_close, make_batches, make_model, params_of
+
+
+def rate_regularised(predicts, targets):
+  """A mean squared error plus e-prop's regulariser: each hidden neuron's rate over the batch and time."""
+  outs, monitors = predicts
+  error = bm.mean((outs - targets) ** 2)
+  rate = batch_mean(monitors['spike'], axis=(0, 1), name='rate')
+  reg = 2. * bm.sum((rate - 0.2) ** 2)
+  return error + reg, {'reg': reg, 'rate': rate, 'per_sample': bm.mean((outs - targets) ** 2, axis=(1, 2))}
+
+
+def two_statistics(predicts, targets):
+  """A batch-wide variance (two means) and a squared spike count summed over the batch."""
+  outs, monitors = predicts
+  error = bm.mean((outs - targets) ** 2)
+  variance = batch_mean(outs ** 2, axis=(0, 1)) - batch_mean(outs, axis=(0, 1)) ** 2
+  count = batch_sum(monitors['spike'])
+  return error + bm.sum((variance - 0.5) ** 2) + 1e-4 * count ** 2, {'count': count}
+
+
+def centred_per_sample(predicts, targets):
+  """A statistic read per sample: not a function of batch statistics alone."""
+  outs, _ = predicts
+  return bm.mean((outs - batch_mean(outs, axis=0, name='centre')) ** 2) + bm.mean((outs - targets) ** 2)
+
+
+def _fit(trainer_class, loss, batches, lr=0.05, **options):
+  model = make_model('snn')
+  trainer = trainer_class(model, loss, optimizer=bp.optim.Adam(lr=lr), loss_has_aux=loss is not centred_per_sample,
+                          monitors={'spike': model.lif.spike}, progress_bar=False, **options)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    trainer.fit(batches, num_epoch=1)
+  return trainer, params_of(model), [str(w.message) for w in caught]
+
+
+def _history(trainer, names):
+  return {name: np.asarray(trainer.get_hist_metric('fit', name, 'detailed')) for name in names}
+
+
+@pytest.mark.parametrize('loss, names', [(rate_regularised, ('reg', 'rate', 'per_sample')),
+                                         (two_statistics, ('count',))], ids=['rate', 'two-statistics'])
+def test_statistics_train_as_bptt_on_the_whole_batch(loss, names):
+  """Three updates of batches of 10 in micro-batches of 4, 4 and 2: parameters, losses and metrics as bp.BPTT's,
+  without a warning. Taken per micro-batch, the statistics would move the parameters by far more than this
+  tolerance (``test_a_statistic_taken_per_micro_batch_trains_another_objective``)."""
+  batches = make_batches([10, 10, 10])
+  expected, expected_params, _ = _fit(bp.BPTT, loss, batches)
+  trainer, params, caught = _fit(AccumBPTT, loss, batches, num_micro_batch=3)
+  assert trainer.plan_for(10).describe_cuts() == '2 x 4 + 2'
+  assert not [c for c in caught if 'couples' in c or 'metric' in c], caught
+  assert_trees_close(params, expected_params, rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(trainer.train_losses, expected.train_losses, rtol=1e-5, atol=1e-6)
+  for name, values in _history(expected, names).items():
+    np.testing.assert_allclose(_history(trainer, names)[name], values, rtol=1e-5, atol=1e-6)
+
+
+def test_a_statistic_taken_per_micro_batch_trains_another_objective():
+  """The test above can fail: with the rate taken over each micro-batch (``bm.mean``), the parameters move
+  away from bp.BPTT's by more than its tolerance."""
+  def per_micro_batch(predicts, targets):
+    outs, monitors = predicts
+    rate = bm.mean(monitors['spike'], axis=(0, 1))
+    return bm.mean((outs - targets) ** 2) + 2. * bm.sum((rate - 0.2) ** 2), {}
+
+  batches = make_batches([10, 10, 10])
+  _, expected_params, _ = _fit(bp.BPTT, per_micro_batch, batches)
+  _, params, caught = _fit(AccumBPTT, per_micro_batch, batches, num_micro_batch=3)
+  assert any('couples the samples' in c and 'batch_mean' in c for c in caught), caught
+  assert max(np.max(np.abs(p - e)) for p, e in zip(params, expected_params)) > 1e-4
+
+
+def test_a_statistic_read_per_sample_is_warned_of_by_name():
+  _, _, caught = _fit(AccumBPTT, centred_per_sample, make_batches([10]), num_micro_batch=3)
+  coupled = [c for c in caught if 'couples the samples' in c]
+  assert len(coupled) == 1 and 'beyond its batch statistics (centre' in coupled[0], caught
+
+
+def test_a_mean_that_leaves_the_batch_out_is_refused_before_the_first_step():
+  def per_sample_mean(predicts, targets):
+    return bm.mean((batch_mean(predicts, axis=1) - bm.mean(targets, axis=1)) ** 2)
+
+  model = make_model('rnn')
+  before = params_of(model)
+  trainer = AccumBPTT(model, per_sample_mean, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False, num_micro_batch=3)
+  with pytest.raises(StatisticsError, match=r'batch statistic #0 of loss_fun has shape \(4, 2\).*leaves the batch out'):
+    trainer.fit(make_batches([10]), num_epoch=1)
+  assert_trees_close(params_of(model), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('axis', [3, (0, 'a'), 1.5])
+def test_a_bad_axis_names_the_value(axis):
+  with pytest.raises(ValueError, match=r'is not a valid axis .* of an array of shape \(2, 3\)'):
+    batch_mean(jnp.ones((2, 3)), axis=axis)
+
+
+def test_outside_a_step_they_are_means_and_sums():
+  x = jnp.arange(24.).reshape(2, 3, 4)
+  np.testing.assert_array_equal(batch_mean(x, axis=(0, 1)), jnp.mean(x, axis=(0, 1)))
+  np.testing.assert_array_equal(batch_sum(bm.asarray(x), axis=0), jnp.sum(x, axis=0))
+  assert float(batch_mean(x)) == float(jnp.mean(x))
+
+
+def test_micro_batched_grad_sees_the_whole_batch_statistics():
+  """The functional core: a mean over samples plus a squared batch mean, against brainstate's whole-batch grad."""
+  import brainstate
+  w = brainstate.ParamState(jnp.asarray([0.5, -1., 2.]))
+
+  def loss_fn(x, y):
+    out = jnp.tanh(x @ w.value)
+    return jnp.mean((out - y) ** 2) + (batch_mean(out, axis=0) - 0.3) ** 2 + 0.1 * batch_sum(out ** 2) ** 2
+
+  x = jnp.asarray(np.random.RandomState(0).rand(11, 3), jnp.float32)
+  y = jnp.asarray(np.random.RandomState(1).rand(11), jnp.float32)
+  whole_grads, whole_loss = brainstate.transform.grad(loss_fn, {'w': w}, return_value=True)(x, y)
+  grads, loss = micro_batched_grad(loss_fn, {'w': w}, num_micro_batch=4, return_value=True)(x, y)
+  assert_trees_close(grads, whole_grads, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(loss, whole_loss, rtol=1e-6)
