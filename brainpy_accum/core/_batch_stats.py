@@ -21,6 +21,10 @@ Inside one, the step runs two passes over the micro-batches:
    ``'sum'``: ``W = w_m = 1``). Its value is ``S``; the combined gradient of a term ``F(S)`` is then
    ``F'(S) dS/dtheta``, the whole batch's.
 
+With ``grad_reduction='sum'`` the update is exact the same way, but each micro-batch's loss holds the term
+``F(S)`` of the statistics whole, so the micro-batches' sum holds it once per micro-batch: the step takes it away
+``M - 1`` times (:func:`statistic_term`: ``F(S)`` from one sample's outputs, once and twice).
+
 So a loss that is a mean over samples plus any function of batch statistics trains exactly as on the whole
 batch (a weighted mean with ``loss_weight_fn``), at the memory of one micro-batch plus the statistics and one
 extra forward pass. A term that reads a statistic per sample (``mean((x - batch_mean(x)) ** 2)``, a statistic of
@@ -37,13 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._accumulate import MicroResult, accumulate
+from ._batch import first_samples, is_array, second_sizes, traced_shapes
 from ._cut import MicroBatchPlan
-from ._batch import second_sizes, traced_shapes
 from ._states import restore_values, values_of
 from ._written import restart
 
-__all__ = ['Statistics', 'StatisticsError', 'applying', 'batch_mean', 'batch_sum', 'statistic_calls', 'statistics_pass',
-           'with_statistics']
+__all__ = ['Statistics', 'StatisticsError', 'applying', 'batch_mean', 'batch_sum', 'statistic_calls', 'statistic_term',
+           'statistic_term_of_args', 'statistics_pass', 'with_statistics']
 
 _KINDS = ('mean', 'sum')
 
@@ -267,3 +271,63 @@ def with_statistics(micro_fn: Callable, statistics: Statistics, weigh: Callable,
       return micro_fn(micro_args, size)
 
   return seeing
+
+
+def statistic_term(forward: Callable, loss_of: Callable, args: tuple, axes, plan: MicroBatchPlan, states,
+                   statistics: Statistics, replayed: Sequence) -> jax.Array:
+  """``F(S)``, the part of a ``'sum'`` loss that is not a sum over samples, at the whole batch's ``statistics``:
+  for a loss ``L = sum_b l_b + F(S)``, ``F = 2 L(y_1) - L(y_1, y_1)``, with ``y_1`` one sample's outputs
+  (``forward(micro_args, 1)`` on the batch's first sample, its model state the first sample's) and ``loss_of(
+  outputs, targets) -> (loss, aux)`` seeing ``statistics``. Where the outputs hold the batch shows in their shapes
+  at two micro-batch sizes (traced only). ``replayed``: the states put back afterwards. No gradient."""
+  before = values_of(replayed)
+  small, large = traced_shapes(forward, args, axes, states, second_sizes(plan))
+  out_axes = [_moved_axis(a, b) for a, b in zip(jax.tree_util.tree_leaves(small), jax.tree_util.tree_leaves(large))]
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+  one = treedef.unflatten([x if a is None else first_samples(x, a, 1) for x, a in zip(leaves, axes)])
+  for state, axis in states:
+    state.value = first_samples(state.value, axis, 1)
+  outputs = forward(one, 1)
+  restore_values(replayed, before)
+  targets = one[1]
+  target_axes = axes[len(jax.tree_util.tree_leaves(one[0], is_leaf=is_array)):]
+  one_weight = jnp.ones((), jnp.float32)
+  with applying(statistics, one_weight, 'sum'):
+    single = loss_of(outputs, targets)[0]
+  with applying(statistics, one_weight, 'sum'):
+    double = loss_of(_twice(outputs, out_axes), _twice(targets, target_axes))[0]
+  return jax.lax.stop_gradient(2. * jnp.asarray(single, jnp.float32) - jnp.asarray(double, jnp.float32))
+
+
+def statistic_term_of_args(loss_of: Callable, args: tuple, axes, states, statistics: Statistics,
+                           replayed: Sequence) -> jax.Array:
+  """:func:`statistic_term` where the loss and the model are one function, ``loss_of(*args)``: ``F = 2 L(a_1) -
+  L(a_1, a_1)`` from the batch's first sample of ``args`` (axes ``axes``) once and twice. The model runs on the
+  two copies; one that draws random numbers draws different ones for them, which changes the reported loss (not
+  the gradient) of a ``'sum'`` loss with batch statistics."""
+  before = values_of(replayed)
+  leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
+  one = [x if a is None else first_samples(x, a, 1) for x, a in zip(leaves, axes)]
+  values = []
+  for copies in (one, _twice(one, axes)):
+    for state, axis in states:
+      state.value = first_samples(state.value, axis, 1)
+      if copies is not one:
+        state.value = _twice([state.value], [axis])[0]
+    with applying(statistics, jnp.ones((), jnp.float32), 'sum'):
+      values.append(jnp.asarray(loss_of(*treedef.unflatten(copies)), jnp.float32))
+    restore_values(replayed, before)
+  return jax.lax.stop_gradient(2. * values[0] - values[1])
+
+
+def _moved_axis(a, b) -> Optional[int]:
+  moved = [i for i, (n, m) in enumerate(zip(a.shape, b.shape)) if n != m]
+  return moved[0] if len(moved) == 1 else None
+
+
+def _twice(tree, axes):
+  """Every leaf of ``tree`` with its samples on ``axes`` (a list, ``None``: none) repeated once more."""
+  from brainpy.math import as_jax
+  leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_array)
+  return treedef.unflatten([x if a is None else jnp.concatenate([as_jax(x), as_jax(x)], axis=a)
+                            for x, a in zip(leaves, axes)])

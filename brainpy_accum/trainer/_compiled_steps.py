@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from brainpy import tools
 from jax.sharding import Mesh
 
-from ..core._batch_stats import statistic_calls, statistics_pass, with_statistics
+from ..core._batch_stats import statistic_calls, statistic_term, statistics_pass, with_statistics
 from ..core._combine import same_type
-from ..core._cut import MicroBatchPlan
+from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._metrics import WHOLE_METRICS, MetricPlan, metric_plan_of
 from ..core._mesh import random_states
 from ..core._batch import traced_shapes
@@ -251,20 +251,48 @@ class CompiledSteps:
     :func:`~brainpy_accum.trainer._step.batch_sums` runs for them: their pass over the micro-batches (on a mesh,
     added over the devices), then the micro-batches' losses seeing the whole batch's (found by tracing the
     loss at two micro-batch sizes, once per plan and batch shape; ``None``: the loss marks none)."""
-    key = (plan[:4], _shapes_key(args))
-    if key not in self._statistic_calls:
-      self._statistic_calls[key] = statistic_calls(
-        lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args), args, axes, states, plan)
-    if not self._statistic_calls[key]:
+    if not self._statistic_names(shared_args, args, axes, plan, states):
       return None
     options, loss_of = self.options, lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args)
     across = None if options.mesh is None else functools.partial(jax.lax.psum, axis_name=options.mesh_axis)
 
     def statistics(micro_fn, args, axes, plan, states):
       found = statistics_pass(loss_of, self.parts.weigh, args, axes, plan, states, self._replayed(), across)
-      return with_statistics(micro_fn, found, self.parts.weigh, options.grad_reduction)
+      seeing = with_statistics(micro_fn, found, self.parts.weigh, options.grad_reduction)
+      if options.grad_reduction != 'sum':
+        return seeing, None
+      term = statistic_term(self.parts.forward(shared_args), self.parts.loss_of, args, axes, plan, states, found,
+                            self._replayed())
+      return seeing, (plan.num_micro_batches - 1. / options.devices) * term  # the extra copies of F(S)
 
     return statistics
+
+  def refuse_streamed_statistics(self, shared_args, inputs, targets, batch_size: int) -> None:
+    """Before the first piece of a batch streamed from the host: a loss that marks batch statistics is refused
+    (traced on the piece ``inputs, targets``, nothing runs): they must span the whole batch, and its pieces run
+    as steps of their own, which do not see one another's samples."""
+    layout = self.parts.check_batch(inputs, targets)
+    if layout.batch_size < 2:
+      return
+    plan = plan_micro_batches(layout.batch_size, num_micro_batch=2)
+    axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
+    with whole_batch_variables(self.parts.model, layout.batch_size) as states, self.parts.quiet():
+      names = self._statistic_names(fit_args(shared_args), (inputs, targets), axes, plan, states)
+    if names:
+      raise ValueError(f'loss_fun marks batch statistics ({", ".join(names)}), which span the whole batch, but the '
+                       f'batch of {batch_size} is streamed from the host in pieces of {layout.batch_size} (its data '
+                       f'does not fit the device beside its step), and streamed pieces do not see one another\'s '
+                       f'samples yet. Pass batches whose data fits the device (the planner then cuts them into '
+                       f'micro-batches on it), or compute the statistic with bm.mean (per piece: another objective).')
+
+  def _statistic_names(self, shared_args, args, axes, plan: MicroBatchPlan, states) -> list:
+    """The batch statistics ``loss_fun`` marks, traced at two micro-batch sizes of ``plan``, once per plan and
+    batch shape."""
+    key = (plan[:4], _shapes_key(args))
+    if key not in self._statistic_calls:
+      self._statistic_calls[key] = statistic_calls(
+        lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args), args, axes, states, plan)
+    return self._statistic_calls[key]
 
   def _replayed(self) -> list:
     """The states a second pass over the micro-batches starts again from: the model's Variables but its

@@ -142,9 +142,10 @@ def found_reductions(undecided: Sequence, evidence: Sequence, plan: MicroBatchPl
     whole = [np.asarray(values[k]) for values, _ in evidence]
     candidates = [[np.asarray(c) for c in copies[k]] for _, copies in evidence]
     fits = reductions_that_fit(whole, candidates)
-    if len(fits) == 1 or (default in fits and _reads_the_whole_batch(whole)):
-      if len(fits) == 1 and fits[0] != default:
-        found[path] = fits[0]
+    if len(fits) == 1 or (fits and _reads_the_whole_batch(whole)):  # (then every micro-batch gives its value)
+      how = default if default in fits else ('mean' if 'mean' in fits else fits[0])
+      if how != default:
+        found[path] = how
       continue
     first = next((p for p, w in enumerate(whole) if np.all(np.isfinite(w.astype(np.float64)))), 0)
     shown = ', '.join(f'{how} {_show(c)}' for how, c in zip(AUX_REDUCTIONS, candidates[first]))

@@ -198,6 +198,8 @@ class FitLoop:
         host = piece()  # (NumPy views: nothing copied)
         data = batch.sent.pop(i, None) or host
         states.enter(start, size)
+        if i == 0:  # (traced on the first piece, in its model state: nothing runs)
+          self.view.steps.refuse_streamed_statistics(self.options.shared_args, *host, batch.size)
         # the shorter last has its own plan, made on the host data, with the next piece sent beside it counted
         self.view.planner.plan_chunk(*host, self.options.shared_args)
         last = update and i == len(pieces) - 1

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._accumulate import MicroResult, accumulate
-from ..core._batch_stats import Statistics, applying, statistic_calls, statistics_pass
+from ..core._batch_stats import Statistics, applying, statistic_calls, statistic_term, statistics_pass
 from ..core._batch import is_array
 from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan
@@ -126,7 +126,9 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
                     split(like, False) if with_grads else None, split(like, True) if with_grads else None,
                     split([out_axes[i] for i in _floating_leaves(points[LEVELS])], True) if with_grads else None,
                     metrics)
-  return _evidence(wholes, sums, cut, metric_plan, metrics, undecided, reduction)
+  extra = None if statistics is None or reduction != 'sum' else _extra_terms(
+    loss_of, args, axes, points, out_axes, plan, statistics)
+  return _evidence(wholes, sums, cut, metric_plan, metrics, undecided, reduction, extra)
 
 
 def _point_metrics(loss_of: Optional[Callable], args: tuple, axes, outputs, out_axes, plan: MicroBatchPlan,
@@ -164,6 +166,16 @@ def _statistics_at_points(loss_of: Callable, weigh: Callable, args: tuple, axes,
   found = statistics_pass(every_point, lambda micro_args, n: weigh(micro_args[:2], n), tuple(args) + tuple(points),
                           list(axes) + list(out_axes) * len(POINTS), plan, [], [])
   return [found.part(point, len(POINTS)) for point in range(len(POINTS))]
+
+
+def _extra_terms(loss_of: Callable, args: tuple, axes, points: list, out_axes, plan: MicroBatchPlan,
+                 statistics: List[Statistics]):
+  """``'sum'``: at every point, what the micro-batches' sum holds too much, as a train step takes it away: the
+  statistics' term ``F(S)`` once per micro-batch but one (:func:`~brainpy_accum.core._batch_stats.statistic_term`)."""
+  terms = [statistic_term(lambda micro_args, n: micro_args[2], lambda outputs, targets: loss_of(outputs, targets),
+                          tuple(args) + (outputs,), list(axes) + list(out_axes), plan, [], found, [])
+           for outputs, found in zip(points, statistics)]
+  return (plan.num_micro_batches - 1.) * jnp.stack(terms)
 
 
 def _gradients_like(outputs, out_axes) -> Tuple[list, list]:
@@ -208,8 +220,10 @@ def _check_at_points(loss_of: Callable, weigh: Callable, undecided: list, output
   return micro_fn
 
 
-def _evidence(wholes: list, sums, cut: list, metric_plan, metrics, undecided: list, reduction: str) -> Evidence:
-  """The :class:`Evidence` from the whole batch's values (``wholes``) and the micro-batches' ``sums``."""
+def _evidence(wholes: list, sums, cut: list, metric_plan, metrics, undecided: list, reduction: str,
+              extra=None) -> Evidence:
+  """The :class:`Evidence` from the whole batch's values (``wholes``) and the micro-batches' ``sums``, less
+  ``extra`` at each point (``None``: nothing)."""
   finished = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count, metrics.mean_by_weight)
   gaps = None
   if wholes[LEVELS][2] is not None:
@@ -219,7 +233,8 @@ def _evidence(wholes: list, sums, cut: list, metric_plan, metrics, undecided: li
   compared = [i for i, rule in enumerate(metric_plan.rules) if rule.axis is None and i not in undecided]
   whole_metrics = [jax.tree_util.tree_leaves(aux) for _, aux, _ in wholes]
   return Evidence(whole=jnp.stack([bm.as_jax(loss).astype(jnp.float32) for loss, _, _ in wholes]),
-                  combined=finish_values(sums.loss_sum, sums.total_weight, reduction),
+                  combined=finish_values(sums.loss_sum if extra is None else sums.loss_sum - extra,
+                                         sums.total_weight, reduction),
                   magnitude=jnp.stack([magnitude for _, _, magnitude in finished]),
                   gaps=gaps,
                   metrics=([whole_metrics[0][i] for i in compared],

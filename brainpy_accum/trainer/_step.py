@@ -88,7 +88,8 @@ def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: Micro
   ``metrics``: how the metrics combine (:mod:`~brainpy_accum.core._metrics`); a batch in one piece and the two
   passes give the whole batch's metrics as they are. ``statistics(micro_fn, args, axes, plan, states)``, given
   (a loss that marks batch statistics, :mod:`~brainpy_accum.core._batch_stats`), runs their pass over the
-  micro-batches and returns ``micro_fn`` seeing them.
+  micro-batches and returns ``micro_fn`` seeing them, and what the loss sum holds too much (``'sum'``: the
+  statistics' term once per micro-batch but one; else ``None``).
   """
   if plan.num_micro_batches == 1 and alone:
     out = micro_fn(args, plan.batch_size)
@@ -96,9 +97,11 @@ def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: Micro
   if two_passes is not None and (plan.num_micro_batches > 1 or not alone):
     return two_passes(args, axes, plan, states)
   grads_like = None if params is None else {k: v.value for k, v in params.items()}
+  extra = None
   if statistics is not None:
-    micro_fn = statistics(micro_fn, args, axes, plan, states)
-  return accumulate(micro_fn, args, axes, plan, states, grads_like, metrics=metrics, report=report)
+    micro_fn, extra = statistics(micro_fn, args, axes, plan, states)
+  sums = accumulate(micro_fn, args, axes, plan, states, grads_like, metrics=metrics, report=report)
+  return sums if extra is None else sums._replace(loss_sum=sums.loss_sum - extra)
 
 
 def _added(sums: Sums, across: Callable, metrics: Optional[MetricPlan], *more):

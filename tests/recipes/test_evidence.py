@@ -27,10 +27,12 @@ def _trained_params(trainer, batches):
   return params_of(trainer.target)
 
 
-@pytest.mark.long  # about 15 s: two trainers' compilations and the planner's
-def test_accum_bptt_with_whole_batch_loss_matches_bptt_on_the_evidence_network():
-  """Three updates of the coupled (rate-regularised) loss: the micro-batched parameters are bp.BPTT's."""
-  config = TINY._replace(updates=3, eval_every=3)
+@pytest.mark.long  # about 15 s each: two trainers' compilations and the planner's
+@pytest.mark.parametrize('coupled', evidence.COUPLED)
+def test_accum_bptt_matches_bptt_on_the_evidence_network(coupled):
+  """Three updates of the coupled (rate-regularised) loss, its rate a batch statistic or with
+  whole_batch_loss=True: the micro-batched parameters are bp.BPTT's."""
+  config = TINY._replace(updates=3, eval_every=3, coupled=coupled)
   batches = evidence.TrainingBatches(evidence.load_task(config.periods), config.batch, config.seed, 3, 3)
   bptt_bytes = evidence.bptt_step_memory(config, batches.batch_of(0))['bytes']
   accum = evidence.make_trainer(config._replace(budget=int(bptt_bytes * 0.6)), evidence.build_model(config))
@@ -38,7 +40,7 @@ def test_accum_bptt_with_whole_batch_loss_matches_bptt_on_the_evidence_network()
   plan, step_bytes = accum.memory_plans[config.batch]
   assert plan.num_micro_batches > 1 and step_bytes < bptt_bytes  # the batch was cut
   bptt = evidence.make_trainer(config._replace(trainer='bptt'), evidence.build_model(config))
-  assert type(bptt) is bp.BPTT and isinstance(accum, AccumBPTT) and accum.whole_batch_loss
+  assert type(bptt) is bp.BPTT and isinstance(accum, AccumBPTT) and accum.whole_batch_loss == (coupled == 'whole-batch')
   assert_trees_close(accum_params, _trained_params(bptt, batches))
 
 

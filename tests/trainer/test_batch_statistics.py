@@ -25,6 +25,14 @@ def rate_regularised(predicts, targets):
   return error + reg, {'reg': reg, 'rate': rate, 'per_sample': bm.mean((outs - targets) ** 2, axis=(1, 2))}
 
 
+def summed_with_rate(predicts, targets):
+  """For grad_reduction='sum': a squared error summed over samples, plus the rate regulariser once."""
+  outs, monitors = predicts
+  rate = batch_mean(monitors['spike'], axis=(0, 1))
+  reg = 2. * bm.sum((rate - 0.2) ** 2)
+  return bm.sum((outs - targets) ** 2) + reg, {'reg': reg}
+
+
 def two_statistics(predicts, targets):
   """A batch-wide variance (two means) and a squared spike count summed over the batch."""
   outs, monitors = predicts
@@ -54,15 +62,18 @@ def _history(trainer, names):
   return {name: np.asarray(trainer.get_hist_metric('fit', name, 'detailed')) for name in names}
 
 
-@pytest.mark.parametrize('loss, names', [(rate_regularised, ('reg', 'rate', 'per_sample')),
-                                         (two_statistics, ('count',))], ids=['rate', 'two-statistics'])
-def test_statistics_train_as_bptt_on_the_whole_batch(loss, names):
+@pytest.mark.parametrize('loss, names, options', [
+  (rate_regularised, ('reg', 'rate', 'per_sample'), {}),
+  pytest.param(two_statistics, ('count',), {}, marks=pytest.mark.long),
+  pytest.param(summed_with_rate, ('reg',), {'grad_reduction': 'sum'}, marks=pytest.mark.long),
+], ids=['rate', 'two-statistics', 'sum'])
+def test_statistics_train_as_bptt_on_the_whole_batch(loss, names, options):
   """Three updates of batches of 10 in micro-batches of 4, 4 and 2: parameters, losses and metrics as bp.BPTT's,
   without a warning. Taken per micro-batch, the statistics would move the parameters by far more than this
   tolerance (``test_a_statistic_taken_per_micro_batch_trains_another_objective``)."""
   batches = make_batches([10, 10, 10])
   expected, expected_params, _ = _fit(bp.BPTT, loss, batches)
-  trainer, params, caught = _fit(AccumBPTT, loss, batches, num_micro_batch=3)
+  trainer, params, caught = _fit(AccumBPTT, loss, batches, num_micro_batch=3, **options)
   assert trainer.plan_for(10).describe_cuts() == '2 x 4 + 2'
   assert not [c for c in caught if 'couples' in c or 'metric' in c], caught
   assert_trees_close(params, expected_params, rtol=2e-5, atol=2e-6)
@@ -117,18 +128,42 @@ def test_outside_a_step_they_are_means_and_sums():
   assert float(batch_mean(x)) == float(jnp.mean(x))
 
 
-def test_micro_batched_grad_sees_the_whole_batch_statistics():
-  """The functional core: a mean over samples plus a squared batch mean, against brainstate's whole-batch grad."""
+@pytest.mark.parametrize('reduction', ['mean', 'sum'])
+def test_micro_batched_grad_sees_the_whole_batch_statistics(reduction):
+  """The functional core: a mean (or sum) over samples plus functions of a batch mean and a batch sum, against
+  brainstate's whole-batch grad: gradient and loss."""
   import brainstate
   w = brainstate.ParamState(jnp.asarray([0.5, -1., 2.]))
+  per_sample = jnp.mean if reduction == 'mean' else jnp.sum
 
   def loss_fn(x, y):
     out = jnp.tanh(x @ w.value)
-    return jnp.mean((out - y) ** 2) + (batch_mean(out, axis=0) - 0.3) ** 2 + 0.1 * batch_sum(out ** 2) ** 2
+    return per_sample((out - y) ** 2) + (batch_mean(out, axis=0) - 0.3) ** 2 + 0.1 * batch_sum(out ** 2) ** 2
 
   x = jnp.asarray(np.random.RandomState(0).rand(11, 3), jnp.float32)
   y = jnp.asarray(np.random.RandomState(1).rand(11), jnp.float32)
   whole_grads, whole_loss = brainstate.transform.grad(loss_fn, {'w': w}, return_value=True)(x, y)
-  grads, loss = micro_batched_grad(loss_fn, {'w': w}, num_micro_batch=4, return_value=True)(x, y)
+  grads, loss = micro_batched_grad(loss_fn, {'w': w}, num_micro_batch=4, return_value=True,
+                                   grad_reduction=reduction)(x, y)
   assert_trees_close(grads, whole_grads, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(loss, whole_loss, rtol=1e-6)
+
+
+def test_a_streamed_batch_with_statistics_is_refused_before_the_first_step():
+  """Pieces streamed from the host run as steps of their own: a statistic would span one piece, so the batch is
+  refused, naming the statistic and what to do, before anything changes."""
+  from helpers import streaming_budget
+
+  def mean_and_rate(predicts, targets):
+    return bm.mean((predicts - targets) ** 2) + bm.sum((batch_mean(predicts, axis=(0, 1), name='level') - 0.3) ** 2)
+
+  batches = make_batches([24], num_time=20, n_in=64)
+  probe = AccumBPTT(make_model('snn', n_in=64), mean_and_rate, optimizer=bp.optim.Adam(lr=0.01),
+                    progress_bar=False, num_micro_batch='auto', memory_budget='1GiB', cache=False)
+  trainer = AccumBPTT(make_model('snn', n_in=64), mean_and_rate, optimizer=bp.optim.Adam(lr=0.01),
+                      progress_bar=False, num_micro_batch='auto', memory_budget=streaming_budget([probe], batches),
+                      cache=False)
+  before = params_of(trainer.target)
+  with pytest.raises(ValueError, match=r'marks batch statistics \(level\).*streamed from the host in pieces'):
+    trainer.fit(batches, num_epoch=1)
+  assert_trees_close(params_of(trainer.target), before, rtol=0, atol=0)

@@ -4,7 +4,9 @@ The task of Bellec et al. (Nature Communications 2020), as BrainPy's paper train
 40 Hz spikes on the 25 "left" or "right" input channels, a delay of 1 s and a recall cue, 2,200 steps of 1 ms; the
 label is the side with more cues (``brainpy_datasets.cognitive.EvidenceAccumulation``). The network and the loss
 are e-prop's (:class:`EvidenceSNN`, :func:`recall_loss`, :data:`RECIPE`); its batch-wide firing-rate regulariser
-couples the samples, so ``AccumBPTT`` trains it with ``whole_batch_loss=True``; ``--trainer bptt``: ``bp.BPTT``.
+couples the samples: its mean is a batch statistic (:func:`~brainpy_accum.batch_mean`), which ``AccumBPTT``'s
+micro-batches see whole (``--coupled whole-batch``: ``whole_batch_loss=True`` instead, which keeps the whole batch's
+outputs); ``--trainer bptt``: ``bp.BPTT``.
 
 Batch ``u`` is drawn from ``(seed, u)`` alone, so a run cut into calls trains on a straight run's batches: each
 epoch (``--eval-every`` updates) is one ``fit(..., checkpoint=PATH)`` call (``--checkpoint``; the curve is kept in
@@ -47,9 +49,12 @@ __all__ = ['Periods', 'PAPER_PERIODS', 'Recipe', 'RECIPE', 'RefractoryALIF', 'Ev
            'main']
 
 
+COUPLED = ('statistics', 'whole-batch')
+
+
 class Config(NamedTuple):
   """One run's settings: a call that resumes a ``--checkpoint`` must give the same, but ``updates``."""
-  trainer: str = 'accum'        # 'accum' (AccumBPTT, whole_batch_loss=True) or 'bptt' (bp.BPTT)
+  trainer: str = 'accum'        # 'accum' (AccumBPTT) or 'bptt' (bp.BPTT)
   neurons: int = 100
   batch: int = 128
   periods: Periods = PAPER_PERIODS
@@ -62,6 +67,8 @@ class Config(NamedTuple):
   lr_half_life: Optional[int] = None  # updates over which Adam's learning rate halves (None: constant, as e-prop)
   stop_at: Optional[float] = None  # end the run at the first held-out accuracy at least this (e-prop: 0.93)
   past: int = 0                 # with stop_at: updates trained on after the first evaluation at least stop_at
+  coupled: str = 'statistics'   # AccumBPTT's exact coupled loss: the rate a batch statistic ('statistics'), or
+  #                               whole_batch_loss=True ('whole-batch')
 
   @property
   def learning_rate(self) -> float:
@@ -77,7 +84,8 @@ def build_model(config: Config) -> EvidenceSNN:
 
 
 def make_trainer(config: Config, model: EvidenceSNN) -> bp.BPTT:
-  """``AccumBPTT(num_micro_batch='auto', whole_batch_loss=True)`` or, for ``trainer='bptt'``, ``bp.BPTT``."""
+  """``AccumBPTT(num_micro_batch='auto')`` (with ``whole_batch_loss=True`` for ``coupled='whole-batch'``) or,
+  for ``trainer='bptt'``, ``bp.BPTT``."""
   loss = functools.partial(recall_loss, window=config.periods.recall)
   lr = config.learning_rate
   lr = lr if config.lr_half_life is None else bp.optim.ExponentialDecayLR(lr, config.lr_half_life, 0.5)
@@ -86,7 +94,8 @@ def make_trainer(config: Config, model: EvidenceSNN) -> bp.BPTT:
   if config.trainer == 'bptt':
     return bp.BPTT(model, loss, **common)
   budget = {} if config.budget is None else {'memory_budget': config.budget}
-  return AccumBPTT(model, loss, num_micro_batch='auto', whole_batch_loss=True, **budget, **common)
+  return AccumBPTT(model, loss, num_micro_batch='auto', whole_batch_loss=config.coupled == 'whole-batch', **budget,
+                   **common)
 
 
 def held_out_runner(model: EvidenceSNN) -> bp.DSRunner:
@@ -466,7 +475,10 @@ _POSITIVE, _NON_NEGATIVE = functools.partial(_int_at_least, 1), functools.partia
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog='python -m brainpy_accum.recipes.evidence', description=__doc__.split('\n')[0])
   parser.add_argument('--trainer', choices=('accum', 'bptt'), default='accum',
-                      help="'accum': AccumBPTT(num_micro_batch='auto', whole_batch_loss=True); 'bptt': bp.BPTT")
+                      help="'accum': AccumBPTT(num_micro_batch='auto'); 'bptt': bp.BPTT")
+  parser.add_argument('--coupled', choices=COUPLED, default='statistics',
+                      help="how AccumBPTT trains the batch-wide rate exactly: 'statistics' (a batch statistic, "
+                           "brainpy_accum.batch_mean; default) or 'whole-batch' (whole_batch_loss=True)")
   parser.add_argument('--neurons', type=_POSITIVE, default=100, help='recurrent neurons (default 100)')
   parser.add_argument('--batch', type=_POSITIVE, default=128, help='trials per update (default 128)')
   parser.add_argument('--periods', type=_POSITIVE, nargs=4, default=list(PAPER_PERIODS),
@@ -514,13 +526,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   periods = Periods(*args.periods)
   config = Config(trainer=args.trainer, neurons=args.neurons, batch=args.batch, periods=periods,
                   updates=args.updates, eval_every=args.eval_every, lr=args.lr, lr_half_life=args.lr_half_life,
-                  stop_at=args.stop_at, past=args.past, seed=args.seed,
+                  stop_at=args.stop_at, past=args.past, seed=args.seed, coupled=args.coupled,
                   test_trials=args.test_trials or (200 if args.quick else 1000),
                   budget=None if args.budget is None else parse_memory(args.budget))
   name = args.name or (f"{'AccumBPTT' if args.trainer == 'accum' else 'bp.BPTT'} {args.neurons} neurons, "
                        f'batch {args.batch}, {periods.steps} steps, seed {args.seed}'
                        + ('' if args.lr is None else f', lr {args.lr:g}')
-                       + ('' if args.lr_half_life is None else f', lr half-life {args.lr_half_life}'))
+                       + ('' if args.lr_half_life is None else f', lr half-life {args.lr_half_life}')
+                       + (', whole_batch_loss' if args.trainer == 'accum' and args.coupled == 'whole-batch' else ''))
   record = train(config, name=name, checkpoint=args.checkpoint, seconds=args.seconds, out=args.out, started=started,
                  largest_bptt=args.largest_bptt_batch)
   print(format_table([record]), 'finished' if record['finished'] else 'not finished: run it again to go on', sep='\n')

@@ -11,6 +11,8 @@ from brainpy.context import share
 import jax
 import numpy as np
 
+from ...core import batch_mean
+
 __all__ = ['DT', 'Recipe', 'RECIPE', 'RefractoryALIF', 'EvidenceSNN', 'recall_loss']
 
 DT = 1.  # ms per step, as in e-prop and BrainPy's figure4A.py
@@ -126,12 +128,13 @@ class EvidenceSNN(bp.DynamicalSystem):
 def recall_loss(predicts, labels, *, window: int, recipe: Recipe = RECIPE):
   """e-prop's loss: the cross-entropy of the read-out at each of the last ``window`` steps (the recall), averaged,
   plus ``rate_weight * sum over neurons of (mean over batch and time of its spikes / dt - f0)^2``, whose mean over
-  the batch couples the samples (``AccumBPTT(..., whole_batch_loss=True)``). Metrics: ``acc`` (the argmax of the
+  the batch couples the samples: it is a batch statistic (:func:`~brainpy_accum.batch_mean`, ``bm.mean`` under
+  ``bp.BPTT``), which ``AccumBPTT``'s micro-batches see whole. Metrics: ``acc`` (the argmax of the
   read-out averaged over the window), ``ce``, ``reg`` and ``rate_hz``."""
   out, monitors = predicts
   logits = out[:, -window:]
   ce = bp.losses.cross_entropy_loss(logits, bm.repeat(labels[:, None], window, axis=1))
-  rate = bm.mean(monitors['spike'], axis=(0, 1)) / DT
+  rate = batch_mean(monitors['spike'], axis=(0, 1), name='rate') / DT
   reg = recipe.rate_weight * bm.sum((rate - recipe.rate_target) ** 2)
   accuracy = bm.mean(bm.argmax(bm.mean(logits, axis=1), axis=-1) == labels)
   return ce + reg, {'acc': accuracy, 'ce': ce, 'reg': reg, 'rate_hz': bm.mean(rate) * 1000. / DT}
