@@ -300,3 +300,20 @@ def test_metrics_over_devices_equal_bptt(mesh, time_first, options):
   assert_same_history(history, expected)
   assert history['fit', 'detailed', 'n_pos'].dtype == np.int32
   assert not [c for c in caught if c.startswith('The metric')], caught
+
+
+@pytest.mark.parametrize('loss, options', [('rate', {}), ('sum', {'grad_reduction': 'sum'})])
+def test_batch_statistics_over_devices_equal_bptt(mesh, loss, options):
+  """A loss with batch statistics on 8 devices: their sums added over the devices (with the batch's weight) in the
+  statistics' pass, every share's micro-batches seeing the whole batch's; with 'sum', the statistics' term counted
+  once over the devices. Parameters, losses and metrics equal bp.BPTT's."""
+  from test_batch_statistics import _fit, _history, rate_regularised, summed_with_rate
+  loss = {'rate': rate_regularised, 'sum': summed_with_rate}[loss]
+  batches = make_batches((24, 24))  # (bp.BPTT cannot stack the per-sample metric of batches of other sizes)
+  expected, expected_params, _ = _fit(bp.BPTT, loss, batches)
+  trainer, params, caught = _fit(AccumBPTT, loss, batches, num_micro_batch=2, mesh=mesh, **options)
+  assert not [c for c in caught if 'couples' in c or 'metric' in c], caught
+  assert_trees_close(params, expected_params, rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(trainer.train_losses, expected.train_losses, rtol=1e-5, atol=1e-6)
+  names = ('reg',)
+  np.testing.assert_allclose(_history(trainer, names)['reg'], _history(expected, names)['reg'], rtol=1e-5, atol=1e-6)

@@ -167,3 +167,30 @@ def test_a_streamed_batch_with_statistics_is_refused_before_the_first_step():
   with pytest.raises(ValueError, match=r'marks batch statistics \(level\).*streamed from the host in pieces'):
     trainer.fit(batches, num_epoch=1)
   assert_trees_close(params_of(trainer.target), before, rtol=0, atol=0)
+
+
+def level_regularised(predicts, targets):
+  """A rate RNN's squared error plus a function of its mean output over the batch and time."""
+  return bm.mean((predicts - targets) ** 2) + bm.sum((batch_mean(predicts, axis=(0, 1)) - 0.3) ** 2)
+
+
+@pytest.mark.long  # two trainers' compilations
+def test_with_accumulate_steps_a_statistic_spans_its_batch():
+  """accumulate_steps=2: each update is the weighted mean of its two batches' whole-batch gradients, each batch's
+  statistic over that batch alone (as whole_batch_loss=True's loss is each batch's), computed here with bp.BPTT's
+  own gradient function batch by batch; two updates."""
+  batches = make_batches([10, 7, 10, 9])
+  reference = bp.BPTT(make_model('rnn'), level_regularised, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
+  for pair in (batches[:2], batches[2:]):
+    grads = []
+    for x, y in pair:
+      reference.target.reset(len(x))
+      grads.append((len(x), reference.f_grad(bp.tools.DotDict(fit=True), x, y)[0]))
+    total = sum(n for n, _ in grads)
+    reference.optimizer.update({k: sum(n * g[k] for n, g in grads) / total for k in grads[0][1]})
+  trainer = AccumBPTT(make_model('rnn'), level_regularised, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False,
+                      num_micro_batch=3, accumulate_steps=2)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UserWarning)
+    trainer.fit(batches, num_epoch=1)
+  assert_trees_close(params_of(trainer.target), params_of(reference.target), rtol=2e-5, atol=2e-6)
