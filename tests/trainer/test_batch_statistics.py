@@ -194,3 +194,28 @@ def test_with_accumulate_steps_a_statistic_spans_its_batch():
     warnings.simplefilter('error', UserWarning)
     trainer.fit(batches, num_epoch=1)
   assert_trees_close(params_of(trainer.target), params_of(reference.target), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.long  # four compilations of the step
+def test_the_step_keeps_the_statistics_not_the_whole_batch_outputs():
+  """XLA's analysis of the train step at the same cut: with the rate a batch statistic the step holds one
+  micro-batch's spikes and the statistics, below whole_batch_loss=True's, which keeps the whole batch's spikes,
+  and the gap grows with the batch (4 micro-batches of 16 and of 64 samples, 20 time steps, 64 neurons)."""
+  def fixed_rate(predicts, targets):
+    outs, monitors = predicts
+    rate = bm.mean(monitors['spike'], axis=(0, 1))
+    return bm.mean((outs - targets) ** 2) + 2. * bm.sum((rate - 0.2) ** 2), {}
+
+  gaps = []
+  for batch in (64, 256):
+    x, y = make_batches([batch], num_time=20)[0]
+    sizes = {}
+    for name, loss, options in (('statistics', rate_regularised, {}), ('whole', fixed_rate, {'whole_batch_loss': True})):
+      model = make_model('snn', n_hidden=64)
+      trainer = AccumBPTT(model, loss, optimizer=bp.optim.Adam(lr=0.01), loss_has_aux=True, progress_bar=False,
+                          monitors={'spike': model.lif.spike}, num_micro_batch=4, **options)
+      model.reset(batch)
+      sizes[name] = trainer.compiled_step_bytes(trainer.plan_for(batch), bp.tools.DotDict(fit=True), x, y)
+    gaps.append(sizes['whole'] - sizes['statistics'])
+    assert sizes['statistics'] < sizes['whole'], sizes
+  assert gaps[1] > 3 * gaps[0], gaps
