@@ -183,7 +183,7 @@ def _named(error: Exception) -> str:
 def check_layouts(names: Sequence[str], time_first=True, batch=5, **options) -> str:
   """Train on two batches with metrics in the layouts ``names``; AccumBPTT's default mode must give bp.BPTT's
   parameters and the history of every metric of outcome ``'equal'`` (without a warning), warn by name of each
-  ``'warned'`` one, and refuse every run with a ``'refused'`` one: a ``ValueError`` naming a metric that is not
+  ``'warned'`` one that does not equal bp.BPTT's, and refuse every run with a ``'refused'`` one: a ``ValueError`` naming a metric that is not
   ``'equal'``, its shapes and ``whole_batch_loss=True``, with the parameters as they were. Never another error.
   A batch in one micro-batch is bp.BPTT's step: every metric equals bp.BPTT's. Returns what happened."""
   loss, data = layout_loss(names, time_first), make_batches(2, batch, time_first)
@@ -202,8 +202,8 @@ def check_layouts(names: Sequence[str], time_first=True, batch=5, **options) -> 
   for i, name in enumerate(names):
     key = f'{name}_{i}'
     warned = [w for w in run.warnings if w.startswith(f"The metric metrics['{key}']")]
-    assert bool(warned) == (outcome[name] == 'warned'), (key, run.warnings)
-    if warned:
+    if warned:  # (a 'warned' one that equals bp.BPTT's at these sizes, p[-1, :2] of a batch of 2, need not warn)
+      assert outcome[name] == 'warned', (key, warned)
       continue
     got, want = run.history[key], expected.history[key]
     assert got.shape == want.shape and got.dtype == want.dtype, (key, got.shape, got.dtype, want.shape, want.dtype)
