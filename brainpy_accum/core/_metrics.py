@@ -299,7 +299,8 @@ def orders_that_fit(whole: Sequence[np.ndarray], candidates: Sequence[Sequence[n
   >>> orders_that_fit(whole, [[np.array([0., 1., 2., 3.]), np.array([0., 2., 1., 3.])]])
   [0]
   """
-  return [k for k in range(len(candidates[0])) if all(_same_rows(w, c[k], rtol, atol) for w, c in zip(whole, candidates))]
+  return [k for k in range(len(candidates[0]))
+          if all(_same_rows(w, c[k], rtol, atol) for w, c in zip(whole, candidates))]
 
 
 def _same_rows(whole, combined, rtol: float, atol: float) -> bool:
@@ -444,7 +445,8 @@ def finish_metrics(aux, rules: Sequence[MetricRule], total_weight, total_count, 
 def combine_on_host(results: Sequence[dict], weights: Sequence[float], counts: Sequence[int],
                     rules: Sequence[MetricRule], mean_by_weight: bool) -> dict:
   """The batch's metrics from those of its chunks (each already combined over its micro-batches), on the host:
-  stitched leaves concatenated on their batch axis (block by block where time-major), means weighted by ``weights`` (or ``counts``), the rest reduced."""
+  stitched leaves concatenated on their batch axis (block by block where time-major), means weighted by
+  ``weights`` (or ``counts``), the rest reduced."""
   if not results:
     return {}
   if rules is None:

@@ -277,10 +277,10 @@ def _gaps(whole, combined):
 
 def _metrics_by_shapes(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,
                  large, sizes) -> Tuple[MetricPlan, list, list]:
-  """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``, the
-  paths of their leaves and their shapes at the two sizes: the loss alone is traced (brainstate's ``eval_shape``: a loss that draws random numbers
-  or writes a Variable leaves them as they were, with or without jit), not the model; ``loss_of=None``: a loss
-  without metrics."""
+  """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``, the paths
+  of their leaves and their shapes at the two sizes: the loss alone is traced (brainstate's ``eval_shape``: a
+  loss that draws random numbers or writes a Variable leaves them as they were, with or without jit), not the
+  model; ``loss_of=None``: a loss without metrics."""
   if loss_of is None:
     return plan_from_shapes({}, {}, sizes, declared, reduction, batch_size), [], []
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
