@@ -429,7 +429,11 @@ class FirstBatchCheck:
       return NO_CHECK  # a mean over every element is a mean over samples: nothing to check (see the module)
     pending = PendingCheck(self, (shared_args, inputs, targets, plan))
     if self.has_metrics:  # how undeclared metrics combine shapes the train step: found before it is traced
-      pending.start()
+      try:
+        pending.start()
+      except MetricsError:
+        self.checked = False  # a refused metric: the next fit checks it again (and refuses it again)
+        raise
     return pending
 
   def _plan(self, batch_size: int, inputs, targets, before_planning: bool, streamed: bool

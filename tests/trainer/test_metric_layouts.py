@@ -81,9 +81,9 @@ class Run(NamedTuple):
   error: Exception = None
 
 
-def train(cls, loss, data, time_first=True, lr=0.05, num_epoch=1, trainers=None, **options) -> Run:
+def train(cls, loss, data, time_first=True, lr=0.05, num_epoch=1, trainers=None, test_data=None, **options) -> Run:
   """Fit a fresh :class:`ReluRateRNN` (the same parameters every call) with ``cls``; a refusal is returned, not
-  raised. ``trainers``, given, receives the trainer."""
+  raised. ``trainers``, given, receives the trainer; the history of ``test_data`` is under ``'test:' + name``."""
   bm.random.seed(0)
   with bm.training_environment():
     model = ReluRateRNN()
@@ -96,11 +96,14 @@ def train(cls, loss, data, time_first=True, lr=0.05, num_epoch=1, trainers=None,
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     try:
-      trainer.fit(data, num_epoch=num_epoch)
+      trainer.fit(data, test_data=test_data, num_epoch=num_epoch)
     except Exception as raised:  # noqa: BLE001 -- check_layouts classifies every outcome
       error = raised
   history = {} if error else {name: trainer.get_hist_metric('fit', name, 'detailed')
                               for name in trainer._detailed_train_metrics}
+  if test_data is not None and not error:
+    history.update({f'test:{name}': trainer.get_hist_metric('test', name, 'detailed')
+                    for name in trainer._detailed_test_metrics})
   return Run(initial, params_of(model), history, [str(w.message) for w in caught], error)
 
 
@@ -183,9 +186,10 @@ def _named(error: Exception) -> str:
 def check_layouts(names: Sequence[str], time_first=True, batch=5, **options) -> str:
   """Train on two batches with metrics in the layouts ``names``; AccumBPTT's default mode must give bp.BPTT's
   parameters and the history of every metric of outcome ``'equal'`` (without a warning), warn by name of each
-  ``'warned'`` one that does not equal bp.BPTT's, and refuse every run with a ``'refused'`` one: a ``ValueError`` naming a metric that is not
-  ``'equal'``, its shapes and ``whole_batch_loss=True``, with the parameters as they were. Never another error.
-  A batch in one micro-batch is bp.BPTT's step: every metric equals bp.BPTT's. Returns what happened."""
+  ``'warned'`` one that does not equal bp.BPTT's, and refuse every run with a ``'refused'`` one: a ``ValueError``
+  naming a metric that is not ``'equal'``, its shapes and ``whole_batch_loss=True``, with the parameters as they
+  were. Never another error. A batch in one micro-batch is bp.BPTT's step: every metric equals bp.BPTT's.
+  Returns what happened."""
   loss, data = layout_loss(names, time_first), make_batches(2, batch, time_first)
   run = train(AccumBPTT, loss, data, time_first, **options)
   cut = plan_micro_batches(batch, **options).num_micro_batches > 1
@@ -236,6 +240,19 @@ def test_search_of_layouts_finds_no_jax_error_and_no_silent_difference(names, ti
   hypothesis.event(check_layouts(names, time_first, batch, **options))
 
 
+def test_a_refused_metric_is_refused_again_by_the_next_fit():
+  """The check that refused a metric runs again at the next fit of the same trainer: skipped, the step would
+  stitch the metric unchecked."""
+  bm.random.seed(0)
+  with bm.training_environment():
+    model = ReluRateRNN()
+  trainer = AccumBPTT(model, layout_loss(['take_by_label'], True), loss_has_aux=True, data_first_axis='T',
+                      num_micro_batch=2, progress_bar=False)
+  for _ in range(2):
+    with pytest.raises(ValueError, match=r"The metric metrics\['take_by_label_0'\] .* depend on other samples"):
+      trainer.fit(make_batches(1, 5), num_epoch=1)
+
+
 # ---------------------------------------------------------------- the rules, without a trainer
 
 def _shape(*dims):
@@ -282,12 +299,13 @@ def test_micro_batches_streamed_chunks_and_devices_put_rows_where_the_whole_batc
 @pytest.mark.long  # the long suite (--long): README suite time
 def test_window_records_the_gallery_outputs_of_every_batch():
   """``accumulate_steps=2`` at a learning rate of 0 (every batch at the same parameters, so bp.BPTT's history is
-  the reference batch by batch): the time-major and batch-major metrics of every batch of the window are
-  bp.BPTT's."""
-  loss, data = layout_loss(['time_major', 'batch_major'], True), make_batches(4, 7)
-  expected = train(bp.BPTT, loss, data, lr=0.)
-  run = train(AccumBPTT, loss, data, lr=0., num_micro_batch=3, accumulate_steps=2)
+  the reference batch by batch): the time-major and batch-major metrics of every batch of the window, and of
+  the test batches (9 samples, 3 x 3), are bp.BPTT's."""
+  loss, data, test = layout_loss(['time_major', 'batch_major'], True), make_batches(4, 7), make_batches(2, 9, seed=1)
+  expected = train(bp.BPTT, loss, data, lr=0., test_data=test)
+  run = train(AccumBPTT, loss, data, lr=0., test_data=test, num_micro_batch=3, accumulate_steps=2)
   assert run.error is None, run.error
+  assert run.history.keys() == expected.history.keys() and 'test:batch_major_1' in run.history
   assert_trees_close(run.history, expected.history)
 
 
