@@ -18,7 +18,7 @@ from ._batch import is_array, put_samples, take_samples
 from ._combine import (add_scaled, check_grad_reduction, check_loss_weight_fn, finish_grads, finish_values, sum_values,
                        wide_zeros_like)
 from ._cut import MicroBatchPlan, as_int, check_cut, is_int, plan_micro_batches
-from ._metrics import MetricPlan, join_metrics, split_metrics, stacked_partials, stitched_axes
+from ._metrics import MetricPlan, join_metrics, split_metrics, stacked_partials, stitched_into
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
 from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
 from ._written import WriteReport, Written, apart_across_devices, kept_last, restart, values_before, written_by
@@ -153,7 +153,7 @@ def _scanned(micro_fn, args, axes, plan: MicroBatchPlan, states, whole: list, gr
     aux_def[:] = [jax.tree_util.tree_structure(out.aux)]
     if metrics is not None:  # per-sample metrics into their buffers; the rest leave the scan stacked
       aux, pieces = split_metrics(out.aux, metrics.rules)
-      stitched = _put(stitched, stitched_axes(metrics.rules), start, pieces)
+      stitched = stitched_into(stitched, metrics.rules, start, pieces)
     return out._replace(aux=aux, samples=None), (values, _put(buffers[1], sample_axes, start, out.samples), stitched)
 
   def run_full(index, buffers):

@@ -2,9 +2,13 @@
 
 Every leaf of the metrics gets a :class:`MetricRule`, found once while the step is traced:
 
-- a leaf that holds one value per sample (its shape changes with the micro-batch size, on one axis: ``(B,)``,
-  ``(B, T)``, ``(T, B, ...)``) is **stitched**: every micro-batch writes its samples into a whole-batch buffer,
-  so the batch gets exactly the array the whole batch would give, whatever the cut;
+- a leaf that holds its samples' rows on one axis (its shape changes with the micro-batch size there, by the
+  same whole number ``k`` of rows per sample at both sizes traced) is **stitched**: every micro-batch writes its
+  rows into a whole-batch buffer, so the batch gets exactly the array the whole batch would give, whatever the
+  cut. One row per sample: ``(B,)``, ``(B, T)``, ``(T, B, ...)``. ``k`` rows: a flattened ``(k * B, ...)``, in
+  one of :data:`ORDERS` (:class:`MetricRule`), which the default mode's first-batch check tells from the values
+  (:func:`orders_that_fit`). Any other leaf whose shape changes with the micro-batch is refused by name
+  (:func:`unplaceable`) before the first step;
 - any other leaf (a scalar, or an array of fixed shape) is **reduced** over the micro-batches: ``'mean'``
   (weighted like the loss: sample counts or ``loss_weight_fn``), ``'sum'`` (integer counts stay integers),
   ``'max'`` or ``'min'``. ``aux_reduction={'name': 'max'}`` declares one; an undeclared leaf takes the one that
@@ -28,12 +32,16 @@ from ._combine import weighted_sum
 from ._cut import MicroBatchPlan
 from ._batch import second_sizes, traced_shapes
 
-__all__ = ['AUX_REDUCTIONS', 'MetricsError', 'MetricRule', 'MetricPlan', 'across_devices', 'check_aux_reduction',
-           'combine_on_host', 'default_reduction', 'finish_metrics', 'join_metrics', 'metric_rules', 'metric_name',
-           'reductions_that_fit', 'split_metrics', 'stacked_partials', 'stitched_axes', 'summed_leaves',
-           'metric_plan_of', 'plan_from_shapes', 'undeclared_leaves', 'with_candidates', 'WHOLE_METRICS']
+__all__ = ['AUX_REDUCTIONS', 'ORDERS', 'MetricsError', 'MetricRule', 'MetricPlan', 'across_devices',
+           'check_aux_reduction', 'combine_on_host', 'default_reduction', 'finish_metrics', 'join_metrics',
+           'found_orders', 'metric_rules', 'metric_name', 'orders_that_fit', 'reductions_that_fit', 'split_metrics',
+           'stacked_partials', 'stitched_into', 'summed_leaves', 'metric_plan_of', 'plan_from_shapes',
+           'undeclared_leaves', 'unplaceable', 'with_candidates', 'WHOLE_METRICS']
 
 AUX_REDUCTIONS = ('mean', 'sum', 'max', 'min')
+# How the k rows per sample of a flattened (k * B, ...) axis lie: 'time-major', row t * B + b (k blocks of the B
+# samples: x.reshape(-1, ...) of a time-major (T, B, ...) array, BrainPy's layout); 'batch-major', row b * k + t.
+ORDERS = ('time-major', 'batch-major')
 
 
 class MetricsError(ValueError):
@@ -41,9 +49,16 @@ class MetricsError(ValueError):
 
 
 class MetricRule(NamedTuple):
-  """How one metric leaf combines: stitched on ``axis`` (an int), or reduced by ``reduction``."""
+  """How one metric leaf combines: stitched on ``axis`` (an int), or reduced by ``reduction``.
+
+  A stitched leaf holds ``rows`` rows per sample on ``axis``, laid out in ``order`` (one of :data:`ORDERS`; the
+  same thing where ``rows`` is 1): ``rows=T`` of a ``(T * B, 3)`` array flattened from ``(T, B, 3)`` is
+  ``MetricRule(0, 'stitch', T, 'time-major')``.
+  """
   axis: Optional[int] = None
   reduction: str = 'mean'  # 'mean', 'sum', 'max', 'min', or 'whole' (already the batch's)
+  rows: int = 1
+  order: str = ORDERS[0]
 
 
 class MetricPlan(NamedTuple):
@@ -113,11 +128,13 @@ def metric_rules(small, large, sizes, declared: Dict[str, str], default: str, ba
                  found: Optional[Dict[str, str]] = None) -> MetricPlan:
   """The :class:`MetricPlan` of metrics shaped ``small`` and ``large`` at the micro-batch ``sizes`` (two).
 
-  ``declared``: ``aux_reduction`` (by metric name); ``found``: the reductions of undeclared leaves that the
-  first-batch check found (by the leaf's path, ``jax.tree_util.keystr``); ``default``: the reduction of the
-  other leaves; ``batch_size``: the samples a stitched leaf holds in the end (this device's share). Raises
-  ``ValueError`` for a metric whose shape changes with the micro-batch on several axes (it cannot be stitched), a
-  declared reduction of a per-sample metric, and a declared name that ``loss_fun`` does not return.
+  ``declared``: ``aux_reduction`` (by metric name); ``found``: what the first-batch check found for undeclared
+  leaves, by the leaf's path (``jax.tree_util.keystr``): a scalar's reduction, or the order (:data:`ORDERS`) of a
+  stitched leaf of several rows per sample (else the first); ``default``: the reduction of the other leaves;
+  ``batch_size``: the samples a stitched leaf holds in the end (this device's share). Raises ``ValueError`` for
+  a metric whose shape changes with the micro-batch other than by a whole number of rows per sample on one axis
+  (:func:`unplaceable`), a declared reduction of a per-sample metric, and a declared name that ``loss_fun`` does
+  not return.
   """
   found = found or {}
   rules, stitched = [], []
@@ -128,25 +145,90 @@ def metric_rules(small, large, sizes, declared: Dict[str, str], default: str, ba
     raise MetricsError(f'aux_reduction names {unknown}, which loss_fun does not return; its metrics are '
                      f'{sorted(names)}. Give the names of the metrics dict that loss_fun returns.')
   for (path, a), b in zip(paths, jax.tree_util.tree_leaves(large)):
-    name = f'metrics{jax.tree_util.keystr(path)}'
-    moved = [i for i, (n, m) in enumerate(zip(a.shape, b.shape)) if n != m]
-    if len(moved) > 1 or len(a.shape) != len(b.shape):
-      raise MetricsError(f'The metric {name} has shape {a.shape} for a micro-batch of {sizes[0]} samples and {b.shape} '
-                       f'for one of {sizes[1]}: its samples do not lie on one axis, so it cannot be stitched from '
-                       f'micro-batches. Return a per-sample array (batch on one axis) or a scalar, or pass '
-                       f'whole_batch_loss=True to compute the metrics on the whole batch.')
-    if moved:
-      if metric_name(path) in declared:
-        raise MetricsError(f'aux_reduction declares {declared[metric_name(path)]!r} for {name}, but it holds one value '
-                         f'per sample (shape {a.shape} for {sizes[0]} samples, batch on axis {moved[0]}); per-sample '
+    name, key = f'metrics{jax.tree_util.keystr(path)}', jax.tree_util.keystr(path)
+    rule = _placed(name, a.shape, b.shape, sizes, found.get(key))
+    if rule is None:
+      how = declared.get(metric_name(path)) or found.get(key)
+      rules.append(MetricRule(None, how if how in AUX_REDUCTIONS else default))
+      continue
+    if metric_name(path) in declared:
+      rows = 'one value' if rule.rows == 1 else f'{rule.rows} rows'
+      raise MetricsError(f'aux_reduction declares {declared[metric_name(path)]!r} for {name}, but it holds {rows} '
+                         f'per sample (shape {a.shape} for {sizes[0]} samples, batch on axis {rule.axis}); per-sample '
                          f'metrics are stitched into the whole batch\'s array, as bp.BPTT records them. Drop '
                          f'{metric_name(path)!r} from aux_reduction, or reduce it inside loss_fun.')
-      rules.append(MetricRule(moved[0], 'stitch'))
-      stitched.append(jax.ShapeDtypeStruct(a.shape[:moved[0]] + (batch_size,) + a.shape[moved[0] + 1:], a.dtype))
-    else:
-      how = declared.get(metric_name(path)) or found.get(jax.tree_util.keystr(path), default)
-      rules.append(MetricRule(None, how))
+    rules.append(rule)
+    stitched.append(jax.ShapeDtypeStruct(a.shape[:rule.axis] + (rule.rows * batch_size,) + a.shape[rule.axis + 1:],
+                                         a.dtype))
   return MetricPlan(rules, stitched)
+
+
+def _placed(name: str, small: tuple, large: tuple, sizes, order: Optional[str]) -> Optional[MetricRule]:
+  """The rule of a leaf shaped ``small`` and ``large`` at the micro-batch ``sizes`` that holds its samples' rows
+  on one axis, in ``order`` (where it holds several per sample); ``None`` where its shape does not change."""
+  moved = [i for i, (n, m) in enumerate(zip(small, large)) if n != m]
+  if len(small) != len(large):
+    raise unplaceable(name, small, large, sizes, 'its number of axes changes with the micro-batch')
+  if not moved:
+    return None
+  if len(moved) > 1:
+    raise unplaceable(name, small, large, sizes, f'it changes on axes {moved}, so its samples do not lie on one '
+                                                 f'axis (a (B, B) matrix pairs the samples of a batch)')
+  axis = moved[0]
+  rows = small[axis] // sizes[0]
+  if rows < 1 or (small[axis], large[axis]) != (rows * sizes[0], rows * sizes[1]):
+    raise unplaceable(name, small, large, sizes, f'its axis {axis} holds {small[axis]} rows for {sizes[0]} samples '
+                                                 f'and {large[axis]} for {sizes[1]}, not the same whole number of '
+                                                 f'rows per sample')
+  return MetricRule(axis, 'stitch', rows, order if rows > 1 and order in ORDERS else ORDERS[0])
+
+
+PER_SAMPLE = ('return this metric per sample (each row from its own sample alone, the batch on one axis: (B, ...), '
+              '(T, B, ...), or flattened (T * B, ...)) or as a scalar')
+
+
+def unplaceable(name: str, small: tuple, large: tuple, sizes, why: str, fix: str = PER_SAMPLE) -> MetricsError:
+  """The error that refuses the metric ``name``, shaped ``small`` and ``large`` at the micro-batch ``sizes``,
+  because its micro-batches' rows cannot be placed in the whole batch's array (``why``), and says the ``fix``
+  besides ``whole_batch_loss=True``."""
+  return MetricsError(f'The metric {name} has shape {tuple(small)} for a micro-batch of {sizes[0]} samples and '
+                      f'{tuple(large)} for one of {sizes[1]}: {why}. Its micro-batches\' values cannot be put '
+                      f'together into the array bp.BPTT records for the whole batch. Pass whole_batch_loss=True to '
+                      f'compute the metrics on the whole batch, or {fix}.')
+
+
+def found_orders(leaves: Sequence, evidence: Sequence, cuts: str) -> Dict[str, str]:
+  """Where each stitched metric's rows lie, from the default mode's first-batch check.
+
+  ``leaves``: ``(path, small shape, large shape, sizes, rule)`` of each stitched leaf (as :func:`metric_rules`
+  saw it); ``evidence``: at every point, ``(whole values, candidates)``: each leaf's value on the whole batch,
+  and its micro-batches' values (``cuts``: the micro-batches, in words) put together by each candidate (its own
+  rule where it holds one row per sample, each of :data:`ORDERS` where several). Returns the orders found that
+  differ from the first, by path. Raises :class:`MetricsError` for a leaf that no candidate reproduces (a row
+  depends on other samples of the batch) and for one of several rows per sample that both orders reproduce (its
+  values cannot tell which order later batches follow).
+  """
+  found = {}
+  for k, (path, small, large, sizes, rule) in enumerate(leaves):
+    fits = orders_that_fit([values[k] for values, _ in evidence], [candidates[k] for _, candidates in evidence])
+    if len(fits) == 1:
+      if rule.rows > 1 and fits[0]:
+        found[path] = ORDERS[fits[0]]
+      continue
+    rows = (f'one row per sample on axis {rule.axis}' if rule.rows == 1 else
+            f'{rule.rows} rows per sample on axis {rule.axis}, {ORDERS[0]} (row t * B + b) or {ORDERS[1]} (row '
+            f'b * {rule.rows} + t)')
+    where = f'on the whole first batch, at the random outputs of the first-batch check ({cuts} micro-batches)'
+    if not fits:
+      raise unplaceable(f'metrics{path}', small, large, sizes, f'{rows}, but {where}, its rows are not its '
+                        f'micro-batches\' rows put together{" in either order" if rule.rows > 1 else ""}: they '
+                        f'depend on other samples of the batch (a gather or sort across samples, a cumulative sum, '
+                        f'a normalisation by a batch-wide value)')
+    raise unplaceable(f'metrics{path}', small, large, sizes, f'{rows}, and {where}, both orders give its value '
+                      f'(its rows there are alike, e.g. they do not read the outputs), so the order of later '
+                      f'batches cannot be told', fix='return it unflattened, the batch on an axis of its own '
+                      '((T, B, ...): stitched exactly)')
+  return found
 
 
 def undeclared_leaves(paths: Sequence, rules: Sequence[MetricRule], declared: Dict[str, str]) -> List[int]:
@@ -156,13 +238,20 @@ def undeclared_leaves(paths: Sequence, rules: Sequence[MetricRule], declared: Di
           if rule.axis is None and metric_name(path) not in declared]
 
 
-def with_candidates(plan: MetricPlan, leaves: Sequence[int], extra: Sequence[str] = ()) -> MetricPlan:
-  """``plan`` for metrics followed by every candidate combination of the leaves ``leaves``: the metrics tree
-  ``(aux, [[leaf] * len(AUX_REDUCTIONS) for each of leaves], *extra leaves)`` combines each copy by one of
-  :data:`AUX_REDUCTIONS` in turn, and each ``extra`` leaf by the reduction given for it. The engine then
-  combines every candidate exactly as a train step with that reduction would (integer sums stay integers)."""
+def with_candidates(plan: MetricPlan, leaves: Sequence[int], extra: Sequence[str] = (),
+                    orders: Sequence[int] = ()) -> MetricPlan:
+  """``plan`` for metrics followed by every candidate combination of the leaves ``leaves`` and every candidate
+  order of the stitched leaves ``orders``: the metrics tree ``(aux, [[leaf] * len(AUX_REDUCTIONS) for each of
+  leaves], [[leaf] * len(ORDERS) for each of orders], *extra leaves)`` combines each copy by one of
+  :data:`AUX_REDUCTIONS` (stitches it in one of :data:`ORDERS`) in turn, and each ``extra`` leaf by the reduction
+  given for it. The engine then combines every candidate exactly as a train step with that rule would (integer
+  sums stay integers)."""
   candidates = [MetricRule(None, how) for _ in leaves for how in AUX_REDUCTIONS]
-  return plan._replace(rules=list(plan.rules) + candidates + [MetricRule(None, how) for how in extra])
+  like = dict(zip([i for i, rule in enumerate(plan.rules) if rule.axis is not None], plan.stitched_like))
+  return plan._replace(rules=list(plan.rules) + candidates + [plan.rules[i]._replace(order=order)
+                                                              for i in orders for order in ORDERS]
+                       + [MetricRule(None, how) for how in extra],
+                       stitched_like=list(plan.stitched_like) + [like[i] for i in orders for _ in ORDERS])
 
 
 def _finite(x: np.ndarray) -> bool:
@@ -197,6 +286,36 @@ def reductions_that_fit(whole: Sequence[np.ndarray], candidates: Sequence[Sequen
   return [how for k, how in enumerate(AUX_REDUCTIONS) if all(same(whole[p], candidates[p][k]) for p in usable)]
 
 
+def orders_that_fit(whole: Sequence[np.ndarray], candidates: Sequence[Sequence[np.ndarray]],
+                    rtol: float = 1e-5, atol: float = 1e-6) -> List[int]:
+  """The candidates that reproduce a stitched metric's whole-batch value at every point of evidence.
+
+  ``whole[p]``: the whole batch's value at point ``p``; ``candidates[p][k]``: the micro-batches' values put
+  together by the ``k``-th candidate (a layout of :data:`ORDERS`). A candidate fits where it has the whole value's
+  shape and every entry equals it (NaN where it is NaN), to float32 round-off of the leaf's largest finite entry.
+
+  >>> import numpy as np
+  >>> whole = [np.array([0., 1., 2., 3.])]   # (2, B=2) time-major rows of samples 0 and 1: 0 1 | 2 3
+  >>> orders_that_fit(whole, [[np.array([0., 1., 2., 3.]), np.array([0., 2., 1., 3.])]])
+  [0]
+  """
+  return [k for k in range(len(candidates[0]))
+          if all(_same_rows(w, c[k], rtol, atol) for w, c in zip(whole, candidates))]
+
+
+def _same_rows(whole, combined, rtol: float, atol: float) -> bool:
+  w, c = np.asarray(whole), np.asarray(combined)
+  if w.shape != c.shape:
+    return False
+  if not np.issubdtype(w.dtype, np.inexact) or not np.issubdtype(c.dtype, np.inexact):
+    return bool(np.array_equal(w, c))
+  w, c = w.astype(np.float64), c.astype(np.float64)
+  finite = np.isfinite(w) & np.isfinite(c)
+  scale = np.max(np.abs(w[np.isfinite(w)]), initial=0.)
+  close = finite & (np.abs(np.where(finite, w - c, 0.)) <= atol + rtol * scale)
+  return bool(np.all(close | (w == c) | (np.isnan(w) & np.isnan(c))))
+
+
 def split_metrics(aux, rules: Sequence[MetricRule]):
   """``(reduced leaves, stitched leaves)`` of ``aux`` in flattened order."""
   leaves = jax.tree_util.tree_leaves(aux)
@@ -210,8 +329,35 @@ def join_metrics(treedef, rules: Sequence[MetricRule], reduced, stitched):
   return treedef.unflatten([next(stitched) if r.axis is not None else next(reduced) for r in rules])
 
 
-def stitched_axes(rules: Sequence[MetricRule]) -> List[int]:
-  return [r.axis for r in rules if r.axis is not None]
+def _by_sample(x, rule: MetricRule):
+  """``x`` (a stitched leaf's value, NumPy or JAX) with its rows axis split so that each sample's rows lie
+  together on one axis, and that axis: ``(k, n)`` time-major (axis + 1), ``(n, k)`` batch-major (axis)."""
+  k, axis = rule.rows, rule.axis
+  if k == 1:
+    return x, axis
+  n = x.shape[axis] // k
+  time_major = rule.order == ORDERS[0]
+  return x.reshape(x.shape[:axis] + ((k, n) if time_major else (n, k)) + x.shape[axis + 1:]), axis + time_major
+
+
+def _flat(x, rule: MetricRule):
+  """:func:`_by_sample`'s ``x`` with its two axes flattened back into one."""
+  if rule.rows == 1:
+    return x
+  a = rule.axis
+  return x.reshape(x.shape[:a] + (x.shape[a] * x.shape[a + 1],) + x.shape[a + 2:])
+
+
+def stitched_into(buffers: Sequence, rules: Sequence[MetricRule], start, values: Sequence) -> list:
+  """The whole-batch ``buffers`` of the stitched leaves with a micro-batch's ``values`` (its samples from
+  ``start``, traced) written in place, each by its rule (``rules``: every leaf's): a flattened ``(k * B, ...)``
+  time-major leaf takes its ``k`` blocks of rows at ``start`` of each of the ``k`` blocks of the batch."""
+  out = []
+  for buffer, rule, value in zip(buffers, [r for r in rules if r.axis is not None], values):
+    whole, axis = _by_sample(buffer, rule)
+    rows, _ = _by_sample(jnp.asarray(value).astype(buffer.dtype), rule)
+    out.append(_flat(jax.lax.dynamic_update_slice_in_dim(whole, rows, start, axis), rule))
+  return out
 
 
 def _wide(x):
@@ -263,7 +409,8 @@ def across_devices(aux, rules: Sequence[MetricRule], mesh_axis: Optional[str], s
 
   Means and sums are added (``summed``: :func:`summed_leaves` already added, e.g. in the step's one
   all-reduce), extremes maximised or minimised, stitched leaves gathered on their batch axis (the devices hold
-  contiguous shares), and ``'whole'`` leaves (equal on every device) kept.
+  contiguous shares; each block of a time-major leaf gathered on its own), and ``'whole'`` leaves (equal on every
+  device) kept.
   """
   if mesh_axis is None or rules is None:
     return aux
@@ -271,8 +418,9 @@ def across_devices(aux, rules: Sequence[MetricRule], mesh_axis: Optional[str], s
   added = iter(jax.lax.psum(summed_leaves(aux, rules), mesh_axis) if summed is None else summed)
   out = []
   for x, rule in zip(leaves, rules):
-    if rule.axis is not None:
-      out.append(jax.lax.all_gather(x, mesh_axis, axis=rule.axis, tiled=True))
+    if rule.axis is not None:  # each device's rows of each block after those of the devices before it
+      rows, axis = _by_sample(x, rule)
+      out.append(_flat(jax.lax.all_gather(rows, mesh_axis, axis=axis, tiled=True), rule))
     elif rule.reduction in ('mean', 'sum'):
       out.append(next(added))
     elif rule.reduction == 'max':
@@ -297,7 +445,8 @@ def finish_metrics(aux, rules: Sequence[MetricRule], total_weight, total_count, 
 def combine_on_host(results: Sequence[dict], weights: Sequence[float], counts: Sequence[int],
                     rules: Sequence[MetricRule], mean_by_weight: bool) -> dict:
   """The batch's metrics from those of its chunks (each already combined over its micro-batches), on the host:
-  stitched leaves concatenated on their axis, means weighted by ``weights`` (or ``counts``), the rest reduced."""
+  stitched leaves concatenated on their batch axis (block by block where time-major), means weighted by
+  ``weights`` (or ``counts``), the rest reduced."""
   if not results:
     return {}
   if rules is None:
@@ -307,8 +456,9 @@ def combine_on_host(results: Sequence[dict], weights: Sequence[float], counts: S
   for i, rule in enumerate(rules):
     values = [np.asarray(leaves[i]) for leaves in per_chunk]
     dtype = values[0].dtype
-    if rule.axis is not None:
-      out.append(np.concatenate(values, axis=rule.axis))
+    if rule.axis is not None:  # (a time-major leaf's chunks interleave: see stitched_into)
+      rows = [_by_sample(v, rule) for v in values]
+      out.append(_flat(np.concatenate([r for r, _ in rows], axis=rows[0][1]), rule))
     elif rule.reduction == 'mean':
       w = np.asarray(weights if mean_by_weight else counts, np.float64)
       out.append(np.asarray(sum(wi * v.astype(np.float64) for wi, v in zip(w, values)) / w.sum(), dtype))

@@ -25,9 +25,14 @@ Scalar metrics (``loss_has_aux``): each one declared in ``aux_reduction`` is com
 combination; each undeclared one is combined by every reduction of ``aux_reduction`` (mean, sum, max, min)
 exactly as a train step would, and the one that gives the whole batch's value at every point is the one the
 train step uses (:func:`found_reductions`); none, or several (a metric constant at every point), keep the loss's
-combination and warn, naming ``aux_reduction``. Then the check must end before the first train step is traced.
+combination and warn, naming ``aux_reduction``. Stitched metrics (rows per sample, :mod:`~brainpy_accum.core._metrics`):
+each one's micro-batch rows put together must give its whole-batch value at every point, in the one order of
+``ORDERS`` that the train step then uses where it holds several rows per sample (a flattened ``(T * B, ...)``);
+none, or both orders, refuse it by name (:func:`~brainpy_accum.core._metrics.found_orders`). Then the check must
+end before the first train step is traced.
 
-The check changes nothing, never stops training, and is one compiled function. It is skipped (nothing to
+The check changes nothing, never stops training but to refuse a metric that cannot be stitched, and is one
+compiled function. It is skipped (nothing to
 compile) when ``loss_fun`` is BrainPy's own ``mean_squared_error`` or ``mean_absolute_error`` with its default
 mean, without metrics, ``loss_weight_fn`` or ``grad_reduction='sum'``: a mean over every element is a mean over
 samples, whatever the values.
@@ -43,7 +48,7 @@ import jax
 import numpy as np
 
 from ..core._cut import MicroBatchPlan, plan_micro_batches
-from ..core._metrics import AUX_REDUCTIONS, MetricsError, default_reduction, reductions_that_fit
+from ..core._metrics import AUX_REDUCTIONS, MetricsError, default_reduction, found_orders, reductions_that_fit
 from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_batch_like
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
@@ -96,12 +101,14 @@ def _use(found: Dict[str, str], use_found: Optional[Callable[[Dict[str, str]], N
 
 def conclude(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan, reduction: str) -> Dict[str, str]:
   """Warn about the loss and its declared metrics from the check's ``evidence``, decide how each undeclared
-  scalar metric combines, and return those decisions that differ from the loss's own combination (by the leaf's
-  path), which the train step then uses."""
+  scalar metric combines and where each stitched metric's rows lie, and return those decisions that differ from
+  the defaults (the loss's own combination; time-major rows), by the leaf's path, which the train step then uses.
+  A stitched metric whose rows cannot be placed is refused (:func:`~brainpy_accum.core._metrics.found_orders`)."""
+  found = found_orders(names.stitched, evidence.stitched, plan.describe_cuts())
   warn_if_coupled(evidence, names, plan, reduction)
   whole, combined = evidence.metrics
   warn_metrics(names.metrics, [np.asarray(v) for v in whole], [np.asarray(v) for v in combined], plan)
-  return found_reductions(names.undecided, evidence.undecided, plan, reduction)
+  return {**found_reductions(names.undecided, evidence.undecided, plan, reduction), **found}
 
 
 def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan, reduction: str) -> None:
@@ -227,8 +234,9 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
   check is traced), and the check's result does not depend on what those steps change. No thread outlives the
   call of ``finish``.
 
-  Where the loss has undeclared scalar metrics, the train step must know how they combine before it is traced:
-  then the check is waited for here, their reductions handed to ``use_found``, and ``finish`` only warns."""
+  Where the loss has undeclared scalar metrics or stitched ones, the train step must know how they combine
+  before it is traced (and a stitched metric whose rows cannot be placed must be refused before any step): then
+  the check is waited for here, what it found handed to ``use_found``, and ``finish`` only warns."""
   names = CheckNames()
   with values_restored(variables):
     try:
@@ -241,7 +249,7 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
       _could_not_check(error)
       return None
   running = RunningCheck(lowered, values, inputs, targets, names, plan, reduction, use_found)
-  if names.undecided:  # the step to be traced next combines them as found
+  if names.undecided or names.stitched:  # the step to be traced next combines them as found
     running.finish(report=False)
   return running
 
@@ -447,7 +455,11 @@ class FirstBatchCheck:
       return NO_CHECK  # a mean over every element is a mean over samples: nothing to check (see the module)
     pending = PendingCheck(self, (shared_args, inputs, targets, plan))
     if self.has_metrics:  # how undeclared metrics combine shapes the train step: found before it is traced
-      pending.start()
+      try:
+        pending.start()
+      except MetricsError:
+        self.checked = False  # a refused metric: the next fit checks it again (and refuses it again)
+        raise
     return pending
 
   def _plan(self, batch_size: int, inputs, targets, before_planning: bool, streamed: bool

@@ -4,7 +4,9 @@ The check (:mod:`~brainpy_accum.trainer._coupled_loss`) needs, at each of :data:
 batch and the combination of its micro-batch losses, at random outputs in place of the model's (i.i.d.
 values, 0-or-1 values like spikes, and each micro-batch at a level of its own, :data:`LEVELS`, where batch-wide
 means and norms differ between micro-batches); at :data:`LEVELS` the gradients of both with respect to the
-outputs; and every scalar metric, combined as declared or by each candidate reduction. This module computes
+outputs; every scalar metric, combined as declared or by each candidate reduction; and every stitched metric,
+its micro-batches' rows put together by its rule (in each of ``ORDERS`` where it holds several rows per sample,
+a flattened ``(T * B, ...)``), beside its whole-batch value. This module computes
 all of it as one traced function (:func:`loss_at_random_outputs`, an :class:`Evidence`); the check compiles,
 runs and reads it.
 """
@@ -22,7 +24,7 @@ from ..core._batch_stats import Statistics, applying, statistic_calls, statistic
 from ..core._batch import is_array
 from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan
-from ..core._metrics import (AUX_REDUCTIONS, MetricPlan, default_reduction, finish_metrics, metric_name,
+from ..core._metrics import (AUX_REDUCTIONS, ORDERS, MetricPlan, default_reduction, finish_metrics, metric_name,
                              plan_from_shapes, undeclared_leaves, with_candidates)
 from ..core._batch import first_samples
 from ..core._two_pass import second_sizes, traced_shapes
@@ -92,6 +94,8 @@ class Evidence(NamedTuple):
   metrics: Any      # at point 0, (whole, combined): the declared scalar metrics, two lists
   undecided: Any    # at each point, (whole, candidates): each undeclared scalar metric, and its combination by
   #                   each of AUX_REDUCTIONS
+  stitched: Any     # at each point, (whole, candidates): each stitched metric, and its micro-batches' rows put
+  #                   together by its rule (one row per sample) or in each of ORDERS (several)
 
 
 def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes, outputs_like, out_axes,
@@ -102,7 +106,8 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   ``outputs_like`` (the whole batch's; batch axes ``out_axes``) in place of the model's and the batch's own
   ``args`` (``(inputs, targets)``, batch axes ``axes``); at :data:`LEVELS` their gradients with respect to the
   outputs too. Scalar metrics: those ``declared`` (the ``aux_reduction``) combined as declared, the others by
-  each of :data:`AUX_REDUCTIONS`, exactly as a train step would combine them. ``names``, if given, receives
+  each of :data:`AUX_REDUCTIONS`, exactly as a train step would combine them; stitched metrics put together by
+  their rule, or in each of :data:`ORDERS` where they hold several rows per sample. ``names``, if given, receives
   the metrics' and the outputs' paths; ``has_metrics=False``: the loss has none (not traced for their shapes).
   Only ``loss_fun`` runs: no model, nothing to restore. The micro-batches of every point are evaluated in one
   scan of the engine (one program to compile, whatever the number of points).
@@ -115,11 +120,12 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
   wholes = [whole_of(outputs) + (None,) if point != LEVELS else _with_gradients(whole_of, outputs)
             for point, outputs in enumerate(points)]
   names.leaves[:] = _floating_paths(points[LEVELS])
-  metric_plan, undecided, metrics = _point_metrics(loss_of if has_metrics else None, args, axes, points[0], out_axes,
-                                                   plan, declared, reduction, names)
+  metric_plan, (undecided, orders), metrics = _point_metrics(loss_of if has_metrics else None, args, axes, points[0],
+                                                             out_axes, plan, declared, reduction, names)
   with_grads = wholes[LEVELS][2] is not None
   statistics = _statistics_at_points(loss_of, weigh, args, axes, points, out_axes, plan, names)
-  micro_fn = _check_at_points(loss_of, weigh, undecided, points[LEVELS], out_axes, with_grads, statistics, reduction)
+  micro_fn = _check_at_points(loss_of, weigh, (undecided, orders), points[LEVELS], out_axes, with_grads, statistics,
+                              reduction)
   like, cut = _gradients_like(points[LEVELS], out_axes)
   split = lambda items, batch: [x for x, c in zip(items, cut) if c == batch]
   sums = accumulate(micro_fn, tuple(args) + tuple(points), list(axes) + list(out_axes) * len(POINTS), plan, [],
@@ -128,25 +134,32 @@ def loss_at_random_outputs(loss_of: Callable, weigh: Callable, args: tuple, axes
                     metrics)
   extra = None if statistics is None or reduction != 'sum' else _extra_terms(
     loss_of, args, axes, points, out_axes, plan, statistics)
-  return _evidence(wholes, sums, cut, metric_plan, metrics, undecided, reduction, extra)
+  return _evidence(wholes, sums, cut, metric_plan, metrics, (undecided, orders), reduction, extra)
 
 
 def _point_metrics(loss_of: Optional[Callable], args: tuple, axes, outputs, out_axes, plan: MicroBatchPlan,
                    declared: dict, reduction: str, names):
-  """How the metrics combine at every point: declared ones as declared, undeclared ones by every candidate, and
-  ``|loss|`` like the loss. ``(metric_plan, undecided, metrics)``: one point's plan, the undeclared scalars'
-  positions, and the plan of all points' metrics together; ``names`` receives their paths."""
+  """How the metrics combine at every point: declared ones as declared, undeclared ones by every candidate,
+  stitched ones of several rows per sample in each of :data:`ORDERS` too, and ``|loss|`` like the loss.
+  ``(metric_plan, (undecided, orders), metrics)``: one point's plan, the positions of the undeclared scalars and
+  of the stitched leaves of several rows, and the plan of all points' metrics together; ``names`` receives their
+  paths (and the stitched leaves' shapes)."""
   sizes = second_sizes(plan)
   small, large = traced_shapes(lambda micro_args, size: micro_args[2], tuple(args) + (outputs,),
                                list(axes) + list(out_axes), [], sizes)
-  metric_plan, paths = _metrics_by_shapes(loss_of, args, axes, declared, reduction, plan.batch_size, small, large, sizes)
+  metric_plan, paths, shapes = _metrics_by_shapes(loss_of, args, axes, declared, reduction, plan.batch_size, small,
+                                                  large, sizes)
   undecided = undeclared_leaves(paths, metric_plan.rules, declared)
+  rules = metric_plan.rules
   names.metrics[:] = [(jax.tree_util.keystr(paths[i]), metric_name(paths[i]), rule.reduction)
-                      for i, rule in enumerate(metric_plan.rules) if rule.axis is None and i not in undecided]
+                      for i, rule in enumerate(rules) if rule.axis is None and i not in undecided]
   names.undecided[:] = [(jax.tree_util.keystr(paths[i]), metric_name(paths[i])) for i in undecided]
-  one = with_candidates(metric_plan, undecided, extra=[default_reduction(reduction)])  # the metrics of one point
-  return metric_plan, undecided, one._replace(rules=one.rules * len(POINTS),
-                                              stitched_like=one.stitched_like * len(POINTS))
+  names.stitched[:] = [(jax.tree_util.keystr(paths[i]), *shapes[i], sizes, rule)
+                       for i, rule in enumerate(rules) if rule.axis is not None]
+  orders = [i for i, rule in enumerate(rules) if rule.rows > 1]
+  one = with_candidates(metric_plan, undecided, extra=[default_reduction(reduction)], orders=orders)  # one point's
+  return metric_plan, (undecided, orders), one._replace(rules=one.rules * len(POINTS),
+                                                        stitched_like=one.stitched_like * len(POINTS))
 
 
 def _statistics_at_points(loss_of: Callable, weigh: Callable, args: tuple, axes, points: list, out_axes,
@@ -185,21 +198,24 @@ def _gradients_like(outputs, out_axes) -> Tuple[list, list]:
   return [leaves[i] for i in floating], [out_axes[i] is not None for i in floating]
 
 
-def _check_at_points(loss_of: Callable, weigh: Callable, undecided: list, outputs, out_axes, with_grads: bool,
-                     statistics: Optional[List[Statistics]] = None, reduction: str = 'mean') -> Callable:
+def _check_at_points(loss_of: Callable, weigh: Callable, candidates: Tuple[list, list], outputs, out_axes,
+                     with_grads: bool, statistics: Optional[List[Statistics]] = None,
+                     reduction: str = 'mean') -> Callable:
   """The engine's ``micro_fn`` of the check: at every point the micro-batch's loss, its metrics (each undecided one
-  per candidate) and ``|loss|``; at LEVELS each micro-batch's loss differentiated with respect to its slice of
+  per candidate reduction, each stitched one of several rows per sample per candidate order: ``candidates``, their
+  positions) and ``|loss|``; at LEVELS each micro-batch's loss differentiated with respect to its slice of
   the outputs (the gradient of the combination: every slice's weighted gradient in its place, the weighted sum
   for outputs without a batch axis), cheaper to compile than the gradient of the scan. ``statistics``: the
   whole batch's batch statistics at each point, which every micro-batch's loss sees as in a train step."""
   _, cut = _gradients_like(outputs, out_axes)
   split = lambda items, batch: [x for x, c in zip(items, cut) if c == batch]
+  undecided, orders = candidates
 
   def micro_loss(micro_args, outputs):
     loss, aux = loss_of(outputs, micro_args[1])
     leaves = jax.tree_util.tree_leaves(aux)
     return loss, (aux, [[leaves[i]] * len(AUX_REDUCTIONS) for i in undecided],
-                  jnp.abs(bm.as_jax(loss)).astype(jnp.float32))
+                  [[leaves[i]] * len(ORDERS) for i in orders], jnp.abs(bm.as_jax(loss)).astype(jnp.float32))
 
   def micro_fn(micro_args, size):
     weight = weigh(micro_args[:2], size)
@@ -220,10 +236,12 @@ def _check_at_points(loss_of: Callable, weigh: Callable, undecided: list, output
   return micro_fn
 
 
-def _evidence(wholes: list, sums, cut: list, metric_plan, metrics, undecided: list, reduction: str,
-              extra=None) -> Evidence:
-  """The :class:`Evidence` from the whole batch's values (``wholes``) and the micro-batches' ``sums``, less
+def _evidence(wholes: list, sums, cut: list, metric_plan, metrics, candidates: Tuple[list, list],
+              reduction: str, extra=None) -> Evidence:
+  """The :class:`Evidence` from the whole batch's values (``wholes``) and the micro-batches' ``sums``
+  (``candidates``: the positions of the undecided scalars and of the stitched leaves of several rows), less
   ``extra`` at each point (``None``: nothing)."""
+  undecided, orders = candidates
   finished = finish_metrics(sums.aux_sum, metrics.rules, sums.total_weight, sums.count, metrics.mean_by_weight)
   gaps = None
   if wholes[LEVELS][2] is not None:
@@ -231,16 +249,21 @@ def _evidence(wholes: list, sums, cut: list, metric_plan, metrics, undecided: li
     combined_grads = [next(stitched) if c else next(summed) for c in cut]
     gaps = _gaps(wholes[LEVELS][2], finish_values(combined_grads, sums.total_weight, reduction))
   compared = [i for i, rule in enumerate(metric_plan.rules) if rule.axis is None and i not in undecided]
+  stitched = [i for i, rule in enumerate(metric_plan.rules) if rule.axis is not None]
   whole_metrics = [jax.tree_util.tree_leaves(aux) for _, aux, _ in wholes]
+  put_together = lambda aux, copies: [copies[orders.index(i)] if i in orders else [jax.tree_util.tree_leaves(aux)[i]]
+                                      for i in stitched]
   return Evidence(whole=jnp.stack([bm.as_jax(loss).astype(jnp.float32) for loss, _, _ in wholes]),
                   combined=finish_values(sums.loss_sum if extra is None else sums.loss_sum - extra,
                                          sums.total_weight, reduction),
-                  magnitude=jnp.stack([magnitude for _, _, magnitude in finished]),
+                  magnitude=jnp.stack([point[-1] for point in finished]),
                   gaps=gaps,
                   metrics=([whole_metrics[0][i] for i in compared],
                            [jax.tree_util.tree_leaves(finished[0][0])[i] for i in compared]),
                   undecided=[([values[i] for i in undecided], copies)
-                             for values, (_, copies, _) in zip(whole_metrics, finished)])
+                             for values, (_, copies, _, _) in zip(whole_metrics, finished)],
+                  stitched=[([values[i] for i in stitched], put_together(aux, copies))
+                            for values, (aux, _, copies, _) in zip(whole_metrics, finished)])
 
 
 def _floating_leaves(outputs) -> List[int]:
@@ -292,28 +315,30 @@ def _gaps(whole, combined):
 
 
 def _metrics_by_shapes(loss_of: Optional[Callable], args: tuple, axes, declared, reduction: str, batch_size: int, small,
-                 large, sizes) -> Tuple[MetricPlan, list]:
-  """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``, and the
-  paths of their leaves: the loss alone is traced (brainstate's ``eval_shape``: a loss that draws random numbers
-  or writes a Variable leaves them as they were, with or without jit), not the model; ``loss_of=None``: a loss
-  without metrics."""
+                 large, sizes) -> Tuple[MetricPlan, list, list]:
+  """The metrics' plan from the outputs' shapes ``small`` and ``large`` at the micro-batch ``sizes``, the paths
+  of their leaves and their shapes at the two sizes: the loss alone is traced (brainstate's ``eval_shape``: a
+  loss that draws random numbers or writes a Variable leaves them as they were, with or without jit), not the
+  model; ``loss_of=None``: a loss without metrics."""
   if loss_of is None:
-    return plan_from_shapes({}, {}, sizes, declared, reduction, batch_size), []
+    return plan_from_shapes({}, {}, sizes, declared, reduction, batch_size), [], []
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
 
   def metrics_at(outputs, n):
     micro_args = treedef.unflatten([x if a is None else first_samples(x, a, n) for x, a in zip(leaves, axes)])
     return brainstate.transform.eval_shape(lambda o, t: loss_of(o, t)[1], outputs, micro_args[1])
 
-  shapes = metrics_at(small, sizes[0])
+  shapes, larger = metrics_at(small, sizes[0]), metrics_at(large, sizes[1])
   paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
-  return plan_from_shapes(shapes, metrics_at(large, sizes[1]), sizes, declared, reduction, batch_size), paths
+  return (plan_from_shapes(shapes, larger, sizes, declared, reduction, batch_size), paths,
+          [(a.shape, b.shape) for a, b in zip(jax.tree_util.tree_leaves(shapes), jax.tree_util.tree_leaves(larger))])
 
 
 class CheckNames:
   """Lists to fill while tracing, hashable by identity, so that ``jit`` can take them as a static argument:
-  the declared scalar metrics ``(path, name, reduction)``, the undeclared ones ``(path, name)``, the paths of
-  the floating outputs (``predicts[...]``) and the names of the batch statistics the loss marks."""
+  the declared scalar metrics ``(path, name, reduction)``, the undeclared ones ``(path, name)``, the stitched ones
+  ``(path, small shape, large shape, sizes, rule)``, the paths of the floating outputs (``predicts[...]``) and the
+  names of the batch statistics the loss marks."""
 
   def __init__(self):
-    self.metrics, self.undecided, self.leaves, self.statistics = [], [], [], []
+    self.metrics, self.undecided, self.stitched, self.leaves, self.statistics = [], [], [], [], []

@@ -16,6 +16,9 @@ from jax.sharding import Mesh, PartitionSpec
 from brainpy_accum import AccumBPTT, count_all_reduces, plan_micro_batches
 from helpers import assert_trees_close, make_batches, make_model, optimizer_state, params_of
 from test_equivalence import Scenario, run
+from test_metric_layouts import layout_loss
+from test_metric_layouts import make_batches as label_batches
+from test_metric_layouts import train as train_with_layouts
 from test_metrics import DECLARED, assert_same_history
 from test_metrics import fit as fit_with_metrics
 from test_training_loop import ClippedBPTT, _variable_length_batches, concat, masked_mse, train, windows
@@ -317,3 +320,14 @@ def test_batch_statistics_over_devices_equal_bptt(mesh, loss, options):
   np.testing.assert_allclose(trainer.train_losses, expected.train_losses, rtol=1e-5, atol=1e-6)
   names = ('reg',)
   np.testing.assert_allclose(_history(trainer, names)['reg'], _history(expected, names)['reg'], rtol=1e-5, atol=1e-6)
+
+
+def test_flattened_metrics_over_devices_equal_bptt(mesh):
+  """The gallery's time-major ``(T * B, 3)`` outputs and a batch-major copy (issue 56), gathered from the devices'
+  shares (3 samples each: 2 + 1) block by block: bp.BPTT's parameters and history of both."""
+  loss, data = layout_loss(['time_major', 'batch_major'], time_first=True), label_batches(2, 24)
+  expected = train_with_layouts(bp.BPTT, loss, data)
+  run = train_with_layouts(AccumBPTT, loss, data, num_micro_batch=2, mesh=mesh)
+  assert run.error is None, run.error
+  assert_trees_close(run.params, expected.params)
+  assert_trees_close(run.history, expected.history)
