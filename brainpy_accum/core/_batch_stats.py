@@ -228,7 +228,10 @@ def statistic_calls(loss_of: Callable, args: tuple, axes, states, plan: MicroBat
     names[:] = calls.names
     return calls.sums
 
-  small, large = traced_shapes(named, args, axes, states, sizes)
+  (small,) = traced_shapes(named, args, axes, states, sizes[:1])  # (one trace where the loss marks none)
+  if not names:
+    return []
+  (large,) = traced_shapes(named, args, axes, states, sizes[1:])
   for name, a, b in zip(names, small, large):
     if a.shape != b.shape:
       raise StatisticsError(f'batch statistic {name} of loss_fun has shape {a.shape} for a micro-batch of {sizes[0]} '
