@@ -277,7 +277,7 @@ def _check_mesh_option(mesh, mesh_axis) -> Optional[str]:
 def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchPlan, batched, tree, samples_like,
              randoms, report: WriteReport) -> Sums:
   """:func:`accumulate` on each device's share of the batch (``plan``: one share's micro-batches; ``micro_fn`` as
-  ``make(args, axes, plan, states) -> (micro_fn, term)``, built inside the share: :func:`_accumulated`), then the
+  ``make(args, axes, plan, states) -> (micro_fn, extra)``, built inside the share: :func:`_accumulated`), then the
   devices' sums added by one all-reduce. Batched states are split like the arguments; others are replicated
   (states written without a batch axis: ``report`` hears where the devices wrote different values)."""
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
@@ -292,8 +292,7 @@ def _on_mesh(mesh: Mesh, mesh_axis: str, micro_fn, args, axes, plan: MicroBatchP
     local_args = treedef.unflatten([x if s else next(mapped) for x, s in zip(leaves, static)])
     params = jax.tree_util.tree_map(lambda s: s.value, tree, is_leaf=is_state)
     with per_device_random(randoms, mesh_axis):
-      sums = _accumulated(micro_fn, local_args, axes, plan, batched, params, share_like, report,
-                          mesh_size(mesh, mesh_axis))
+      sums = _accumulated(micro_fn, local_args, axes, plan, batched, params, share_like, report)
     if sums.written.states:
       report.report(sums.written._replace(apart=apart_across_devices(sums.written, mesh_axis)),
                     "what one device's last micro-batch wrote")
@@ -469,27 +468,26 @@ def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, reduction: str
   micro_fn = _micro_fn(loss_and_new, grad_states, weigh, keep)
   with declared_batch_axes(batched):
     micro_fn = _seeing_statistics(micro_fn, loss_and_new, weigh, reduction, args, axes, plan, batched, randoms,
-                                  mesh_axis)
+                                  mesh_axis, 1 if mesh is None else mesh_size(mesh, mesh_axis))
     if mesh is None:
       return _accumulated(micro_fn, args, axes, plan, batched, params, samples_like, report), keep
     return _on_mesh(mesh, mesh_axis, micro_fn, args, axes, plan, batched, tree, samples_like, randoms, report), keep
 
 
-def _accumulated(make, args, axes, plan: MicroBatchPlan, states, params, samples_like, report, devices: int = 1):
-  """:func:`accumulate` of ``make(args, axes, plan, states) -> (micro_fn, term)``'s ``micro_fn``; a ``term`` (the
-  batch statistics' term of a ``'sum'`` loss, which every micro-batch's loss holds) counted once over the devices."""
-  micro_fn, term = make(args, axes, plan, states)
+def _accumulated(make, args, axes, plan: MicroBatchPlan, states, params, samples_like, report):
+  """:func:`accumulate` of ``make(args, axes, plan, states) -> (micro_fn, extra)``'s ``micro_fn``, less ``extra``
+  (what the loss sum holds too much, :func:`~brainpy_accum.core._batch_stats.seeing_statistics`; ``None``: none)."""
+  micro_fn, extra = make(args, axes, plan, states)
   sums = accumulate(micro_fn, args, axes, plan, states, params, samples_like, report=report)
-  extra = None if term is None else (plan.num_micro_batches - 1. / devices) * term
   return sums if extra is None else sums._replace(loss_sum=sums.loss_sum - extra)
 
 
 def _seeing_statistics(micro_fn, loss_and_new, weigh, reduction: str, args, axes, plan: MicroBatchPlan, batched,
-                       randoms, mesh_axis: Optional[str]) -> Callable:
-  """``micro_fn`` as ``make(args, axes, plan, states) -> (micro_fn, term)``: where the loss marks batch statistics
-  (:mod:`~brainpy_accum.core._batch_stats`), their pass over the micro-batches runs first (on a mesh, inside each
-  device's share, added over the devices) and the returned ``micro_fn`` sees the whole batch's."""
-  from ._batch_stats import statistic_calls, statistic_term_of_args, statistics_pass, with_statistics  # (built on it)
+                       randoms, mesh_axis: Optional[str], devices: int) -> Callable:
+  """``micro_fn`` as ``make(args, axes, plan, states) -> (micro_fn, extra)``: where the loss marks batch
+  statistics, :func:`~brainpy_accum.core._batch_stats.seeing_statistics` (their pass over the micro-batches
+  first; on a mesh, inside each of the ``devices``' shares, added over them)."""
+  from ._batch_stats import seeing_statistics, statistic_calls, statistic_term_of_args  # (built on this module)
   loss_of = lambda micro_args, n: loss_and_new(*micro_args)  # noqa: E731
   if not statistic_calls(loss_of, args, axes, batched, plan):
     return lambda *_: (micro_fn, None)
@@ -497,9 +495,9 @@ def _seeing_statistics(micro_fn, loss_and_new, weigh, reduction: str, args, axes
   replayed = [s for s, _ in batched] + list(randoms)
 
   def make(args, axes, plan, states):
-    found = statistics_pass(loss_of, weigh, args, axes, plan, states, replayed, across)
-    term = None if reduction != 'sum' else statistic_term_of_args(lambda *a: loss_and_new(*a)[0], args, axes, states,
-                                                                  found, replayed)
-    return with_statistics(micro_fn, found, weigh, reduction), term
+    term_of = lambda found: statistic_term_of_args(lambda *a: loss_and_new(*a)[0], args, axes, states, found,  # noqa
+                                                   replayed)
+    return seeing_statistics(micro_fn, loss_of, weigh, reduction, args, axes, plan, states, replayed, across,
+                             devices, term_of)
 
   return make

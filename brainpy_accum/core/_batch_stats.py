@@ -46,10 +46,8 @@ from ._cut import MicroBatchPlan
 from ._states import restore_values, values_of
 from ._written import restart
 
-__all__ = ['Statistics', 'StatisticsError', 'applying', 'batch_mean', 'batch_sum', 'statistic_calls', 'statistic_term',
-           'statistic_term_of_args', 'statistics_pass', 'with_statistics']
-
-_KINDS = ('mean', 'sum')
+__all__ = ['Statistics', 'StatisticsError', 'applying', 'batch_mean', 'batch_sum', 'seeing_statistics',
+           'statistic_calls', 'statistic_term', 'statistic_term_of_args', 'statistics_pass', 'with_statistics']
 
 
 class StatisticsError(ValueError):
@@ -169,7 +167,8 @@ def _result_dtype(kind: str, x):
 
 class Statistics(NamedTuple):
   """The whole batch's statistics: their sums ``totals``, element counts ``counts`` (lists, call order), the
-  batch's total ``weight`` in the combined gradient (``'sum'``: 1), and each call's ``kinds``."""
+  batch's total ``weight`` in the combined gradient (its micro-batches' weights added; ``'sum'`` does not use it),
+  and each call's ``kinds``."""
   totals: List
   counts: List
   weight: jax.Array
@@ -274,6 +273,20 @@ def with_statistics(micro_fn: Callable, statistics: Statistics, weigh: Callable,
       return micro_fn(micro_args, size)
 
   return seeing
+
+
+def seeing_statistics(micro_fn: Callable, loss_of: Callable, weigh: Callable, reduction: str, args: tuple, axes,
+                      plan: MicroBatchPlan, states, replayed: Sequence, across: Optional[Callable] = None,
+                      devices: int = 1, term_of: Optional[Callable] = None):
+  """Pass 1 (:func:`statistics_pass`), then ``micro_fn`` seeing the whole batch's statistics
+  (:func:`with_statistics`), and what the micro-batches' loss sum holds too much: with ``'sum'`` the statistics'
+  term ``term_of(statistics)`` (:func:`statistic_term`) once per micro-batch but one, counted once over the
+  ``devices`` that each add theirs; else ``None``. Returns ``(micro_fn, extra)``."""
+  found = statistics_pass(loss_of, weigh, args, axes, plan, states, replayed, across)
+  seeing = with_statistics(micro_fn, found, weigh, reduction)
+  if reduction != 'sum':
+    return seeing, None
+  return seeing, (plan.num_micro_batches - 1. / devices) * term_of(found)
 
 
 def statistic_term(forward: Callable, loss_of: Callable, args: tuple, axes, plan: MicroBatchPlan, states,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from brainpy import tools
 from jax.sharding import Mesh
 
-from ..core._batch_stats import statistic_calls, statistic_term, statistics_pass, with_statistics
+from ..core._batch_stats import seeing_statistics, statistic_calls, statistic_term
 from ..core._combine import same_type
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._metrics import WHOLE_METRICS, MetricPlan, metric_plan_of
@@ -256,14 +256,13 @@ class CompiledSteps:
     options, loss_of = self.options, lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args)
     across = None if options.mesh is None else functools.partial(jax.lax.psum, axis_name=options.mesh_axis)
 
+    replayed = self._replayed()
+
     def statistics(micro_fn, args, axes, plan, states):
-      found = statistics_pass(loss_of, self.parts.weigh, args, axes, plan, states, self._replayed(), across)
-      seeing = with_statistics(micro_fn, found, self.parts.weigh, options.grad_reduction)
-      if options.grad_reduction != 'sum':
-        return seeing, None
-      term = statistic_term(self.parts.forward(shared_args), self.parts.loss_of, args, axes, plan, states, found,
-                            self._replayed())
-      return seeing, (plan.num_micro_batches - 1. / options.devices) * term  # the extra copies of F(S)
+      term_of = lambda found: statistic_term(self.parts.forward(shared_args), self.parts.loss_of, args, axes,  # noqa
+                                             plan, states, found, replayed)
+      return seeing_statistics(micro_fn, loss_of, self.parts.weigh, options.grad_reduction, args, axes, plan, states,
+                               replayed, across, options.devices, term_of)
 
     return statistics
 
