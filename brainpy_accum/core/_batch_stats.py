@@ -46,8 +46,8 @@ from ._cut import MicroBatchPlan
 from ._states import restore_values, values_of
 from ._written import restart
 
-__all__ = ['Statistics', 'StatisticsError', 'applying', 'batch_mean', 'batch_sum', 'seeing_statistics',
-           'statistic_calls', 'statistic_term', 'statistic_term_of_args', 'statistics_pass', 'with_statistics']
+__all__ = ['Marked', 'Statistics', 'StatisticsError', 'applying', 'batch_mean', 'batch_sum', 'marked_statistics',
+           'seeing_statistics', 'statistic_calls', 'statistic_term', 'statistic_term_of_args', 'statistics_pass', 'with_statistics']
 
 
 class StatisticsError(ValueError):
@@ -214,22 +214,30 @@ def applying(statistics: Optional[Statistics], weight, reduction: str):
     yield
 
 
-def statistic_calls(loss_of: Callable, args: tuple, axes, states, plan: MicroBatchPlan) -> List[str]:
-  """The names of the statistics ``loss_of(micro_args, size)`` (a micro-batch's loss) marks, in call order (empty:
-  none), from traces at two micro-batch sizes (nothing runs). Raises :class:`StatisticsError` for a call whose
-  ``axis`` leaves the batch out: its sum changes shape with the micro-batch, so it is not a statistic of the
-  batch."""
-  sizes, names = second_sizes(plan), []
+class Marked(NamedTuple):
+  """The batch statistics a loss marks, in call order: their ``names``, ``kinds`` (``'mean'``, ``'sum'``) and the
+  shapes and dtypes of their sums (``sums``: ``jax.ShapeDtypeStruct``)."""
+  names: List[str]
+  kinds: Sequence[str]
+  sums: Sequence
+
+
+def marked_statistics(loss_of: Callable, args: tuple, axes, states, plan: MicroBatchPlan) -> Marked:
+  """The statistics ``loss_of(micro_args, size)`` (a micro-batch's loss) marks (no names: none), from traces at two
+  micro-batch sizes (nothing runs). Raises :class:`StatisticsError` for a call whose ``axis`` leaves the batch out:
+  its sum changes shape with the micro-batch, so it is not a statistic of the batch."""
+  sizes, calls = second_sizes(plan), []
 
   def named(micro_args, n):
-    with _entered(_Collecting()) as calls:
+    with _entered(_Collecting()) as collecting:
       loss_of(micro_args, n)
-    names[:] = calls.names
-    return calls.sums
+    calls[:] = [collecting]
+    return collecting.sums
 
   (small,) = traced_shapes(named, args, axes, states, sizes[:1])  # (one trace where the loss marks none)
+  names, kinds = calls[0].names, calls[0].kinds
   if not names:
-    return []
+    return Marked([], (), ())
   (large,) = traced_shapes(named, args, axes, states, sizes[1:])
   for name, a, b in zip(names, small, large):
     if a.shape != b.shape:
@@ -237,7 +245,12 @@ def statistic_calls(loss_of: Callable, args: tuple, axes, states, plan: MicroBat
                             f'samples and {b.shape} for one of {sizes[1]}: its axis leaves the batch out, so it is '
                             f'not a statistic of the batch. Put the batch axis in its axis, or use jnp.mean (bm.mean) '
                             f'for a mean within each sample.')
-  return list(names)
+  return Marked(list(names), tuple(kinds), tuple(small))
+
+
+def statistic_calls(loss_of: Callable, args: tuple, axes, states, plan: MicroBatchPlan) -> List[str]:
+  """The names of the statistics ``loss_of(micro_args, size)`` marks (:func:`marked_statistics`; empty: none)."""
+  return marked_statistics(loss_of, args, axes, states, plan).names
 
 
 def statistics_pass(loss_of: Callable, weigh: Callable, args: tuple, axes, plan: MicroBatchPlan, states,
@@ -277,16 +290,20 @@ def with_statistics(micro_fn: Callable, statistics: Statistics, weigh: Callable,
 
 def seeing_statistics(micro_fn: Callable, loss_of: Callable, weigh: Callable, reduction: str, args: tuple, axes,
                       plan: MicroBatchPlan, states, replayed: Sequence, across: Optional[Callable] = None,
-                      devices: int = 1, term_of: Optional[Callable] = None):
+                      devices: int = 1, term_of: Optional[Callable] = None, found: Optional[Statistics] = None,
+                      kept=1.):
   """Pass 1 (:func:`statistics_pass`), then ``micro_fn`` seeing the whole batch's statistics
   (:func:`with_statistics`), and what the micro-batches' loss sum holds too much: with ``'sum'`` the statistics'
-  term ``term_of(statistics)`` (:func:`statistic_term`) once per micro-batch but one, counted once over the
-  ``devices`` that each add theirs; else ``None``. Returns ``(micro_fn, extra)``."""
-  found = statistics_pass(loss_of, weigh, args, axes, plan, states, replayed, across)
+  term ``term_of(statistics)`` (:func:`statistic_term`) once per micro-batch but ``kept``, counted once over the
+  ``devices`` that each add theirs; else ``None``. ``found``, given, are the statistics, taken before (a batch
+  streamed in chunks: the whole batch's, over every chunk; ``kept``: 1 for its first chunk, 0 for the others).
+  Returns ``(micro_fn, extra)``."""
+  if found is None:
+    found = statistics_pass(loss_of, weigh, args, axes, plan, states, replayed, across)
   seeing = with_statistics(micro_fn, found, weigh, reduction)
   if reduction != 'sum':
     return seeing, None
-  return seeing, (plan.num_micro_batches - 1. / devices) * term_of(found)
+  return seeing, (plan.num_micro_batches - kept / devices) * term_of(found)
 
 
 def statistic_term(forward: Callable, loss_of: Callable, args: tuple, axes, plan: MicroBatchPlan, states,

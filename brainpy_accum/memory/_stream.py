@@ -13,7 +13,7 @@ device in pieces (chunks) of one micro-batch each, each sent while the one befor
 batch size.
 
 These are the pieces of that path: which chunk sizes to try, slicing the batch, the model state of each chunk
-(:class:`StreamedStates`), and combining the chunks' losses and metrics into the batch's, as
+(:class:`StreamedStates`), the batch statistics a loss marks (:class:`StreamedStatistics`), and combining the chunks' losses and metrics into the batch's, as
 :class:`brainpy.BPTT` would report them, when they are read (:func:`combine_later`): no batch end waits for the
 device.
 """
@@ -28,13 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core._batch import is_array
+from ..core._batch_stats import Marked, Statistics
 from ..core._metrics import combine_on_host
 from ..core._mesh import random_states
 from ..core._states import (all_samples, batched_variables, declared_batch_axes, restore_values, values_of,
                             values_restored)
 from ._budget import candidate_micro_batch_sizes
 
-__all__ = ['StreamedStates', 'best_chunk', 'chunk_candidates', 'chunk_sizes', 'chunk_starts', 'combine',
+__all__ = ['StreamedStates', 'StreamedStatistics', 'best_chunk', 'chunk_candidates', 'chunk_sizes', 'chunk_starts', 'combine',
            'combine_later', 'host_chunk', 'host_pieces', 'likely_chunk']
 
 
@@ -262,6 +263,52 @@ class StreamedStates:
     with values_restored([var for var, _ in self.states.values()], any_shape=True):
       self.enter(0, count)
       yield
+
+
+class StreamedStatistics:
+  """The batch statistics (:func:`~brainpy_accum.batch_mean`, :func:`~brainpy_accum.batch_sum`) of a batch
+  streamed from the host in chunks, in Variables: a pass over every chunk first adds up each chunk's sums
+  (:meth:`add`), then every chunk's step reads the whole batch's (:meth:`statistics`), as the micro-batches of
+  a batch on the device read theirs. The chunks' steps then combine into the whole batch's update, as the
+  micro-batches of one step do.
+
+  Parameters
+  ----------
+  marked : Marked
+    The statistics the loss marks (:func:`~brainpy_accum.core._batch_stats.marked_statistics`): their kinds and
+    their sums' shapes.
+  """
+
+  def __init__(self, marked: Marked):
+    self.kinds = tuple(marked.kinds)
+    self.totals = [bm.Variable(jnp.zeros(s.shape, s.dtype)) for s in marked.sums]
+    self.counts = [bm.Variable(jnp.zeros((), jnp.float32)) for _ in marked.sums]
+    self.weight = bm.Variable(jnp.zeros((), jnp.float32))
+    # 1 once a chunk's step has kept the statistics' term in its loss sum (grad_reduction='sum': the batch's loss
+    # holds it once, so the later chunks take it away from every micro-batch's loss)
+    self.counted = bm.Variable(jnp.zeros((), jnp.float32))
+
+  def start(self) -> None:
+    """Empty, for a new batch."""
+    for var in (*self.totals, *self.counts, self.weight, self.counted):
+      var.value = jnp.zeros_like(var.value)
+
+  def add(self, found: Tuple[Sequence, Sequence, Any]) -> None:
+    """Add one chunk's ``(totals, counts, weight)``, its statistics' sums over its samples (on the device)."""
+    totals, counts, weight = found
+    for var, value in zip((*self.totals, *self.counts, self.weight), (*totals, *counts, weight)):
+      var.value = var.value + jnp.asarray(value, var.dtype)
+
+  def statistics(self) -> Statistics:
+    """The whole batch's statistics, read inside a chunk's step."""
+    return Statistics([v.value for v in self.totals], [c.value for c in self.counts], self.weight.value, self.kinds)
+
+  def keep_term(self) -> jax.Array:
+    """How many times this chunk's loss sum keeps the statistics' term (1 for the first chunk, 0 after; read
+    inside its step, which marks it kept)."""
+    kept = 1. - self.counted.value
+    self.counted.value = jnp.ones_like(self.counted.value)
+    return kept
 
 
 class _Combined:

@@ -2,7 +2,8 @@
 
 :class:`CompiledSteps` builds every step a trainer runs from one function of one batch (:meth:`~CompiledSteps.train`:
 :mod:`~brainpy_accum.trainer._step`'s sums, settled, then the update), and keeps what fit runs: the jitted
-steps (``'fit'``, ``'loss'``, ``'collect'``, ``'close'``) and the executables the planner compiled for a batch
+steps (``'fit'``, ``'loss'``, ``'collect'``, ``'close'``, and a streamed batch's ``'piece'``, ``'piece-loss'``
+and ``'statistics'``) and the executables the planner compiled for a batch
 size, run instead of compiling again. It gives the planner its :class:`~brainpy_accum.memory._planner.Compilers`.
 What it computes with (the model, the loss, the plan of a batch size, the window) it receives as
 :class:`StepParts`; its options as :class:`StepOptions`.
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 from brainpy import tools
 from jax.sharding import Mesh
 
-from ..core._batch_stats import seeing_statistics, statistic_calls, statistic_term
+from ..core._batch_stats import marked_statistics, seeing_statistics, statistic_term, statistics_pass
 from ..core._combine import same_type
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._metrics import WHOLE_METRICS, MetricPlan, metric_plan_of
@@ -33,10 +34,14 @@ from ..diagnostics._compiles import QUICK_COMPILE
 from ..memory._budget import PlannedStep, StepMemory, step_memory
 from ..memory._live import temp_bytes_at_least
 from ..memory._planner import Compilers
+from ..memory._stream import StreamedStatistics
 from ..core._mesh import on_mesh, split_variables
 from ._step import WINDOW_HOLDS, Settled, batch_sums, clip_by_global_norm, guarded_update, micro_step, same, settle
 
-__all__ = ['CompiledSteps', 'StepOptions', 'StepParts', 'fit_args']
+__all__ = ['LOSS_KINDS', 'CompiledSteps', 'StepOptions', 'StepParts', 'fit_args']
+
+# the evaluation steps: of a batch, and of a streamed batch's chunk (which reads the batch statistics of them all)
+LOSS_KINDS = ('loss', 'piece-loss')
 
 
 class StepOptions(NamedTuple):
@@ -100,7 +105,11 @@ class CompiledSteps:
     self.trace_counts = {'fit': 0, 'loss': 0}
     self.metric_rules: Optional[MetricPlan] = None  # the last traced step's, for combining streamed chunks
     self._metric_plans: Dict[tuple, MetricPlan] = {}  # per plan and batch shape
-    self._statistic_calls: Dict[tuple, list] = {}  # the batch statistics loss_fun marks, per plan and batch shape
+    self._statistic_calls: Dict[tuple, Any] = {}  # the batch statistics loss_fun marks, per plan and batch shape
+    # a streamed batch's chunk shape -> the Variables its steps read the whole batch's statistics from (None: the
+    # loss marks none); one per kind of statistics, made before any chunk step is traced (:meth:`streamed_statistics`)
+    self._chunk_statistics: Dict[tuple, Optional[StreamedStatistics]] = {}
+    self._stores: Dict[tuple, StreamedStatistics] = {}
     self.found_reductions: Dict[str, str] = {}  # undeclared scalar metrics' reductions, found by the loss check
     # warns of Variables without a batch axis that the micro-batches wrote differently, by their names in the model;
     # the steps' flags are an output of each step (a Variable), read where the fit loop reads the losses
@@ -119,9 +128,9 @@ class CompiledSteps:
   def rebuild(self) -> None:
     """Fresh jitted steps: they trace again, with the current plans; no kept executable."""
     self._jitted = {kind: bm.jit(functools.partial(self._traced, kind), static_argnums=(0,))
-                    for kind in ('fit', 'loss', 'collect', 'close')}
-    # (kind, batch size) -> the planner's compiled step, which fit runs: 'fit', or 'close' (a streamed batch's
-    # last chunk, whose step is the one the planner compiles for a chunk)
+                    for kind in ('fit', 'loss', 'collect', 'close', 'piece', 'piece-loss', 'statistics')}
+    # (kind, batch size) -> the planner's compiled step, which fit runs: 'fit', or 'piece' (a streamed batch's
+    # chunk, whose step is the one the planner compiles for a chunk)
     self._kept: Dict[Tuple[str, int], Any] = {}
 
   def use_found(self, found: Dict[str, str]) -> None:
@@ -138,9 +147,9 @@ class CompiledSteps:
     self.writes.read()
 
   def jitted(self, kind: str) -> Callable:
-    """The ``kind`` step (``'fit'``, ``'loss'``, ``'collect'`` or ``'close'``): jitted unless ``jit`` says
-    otherwise."""
-    phase = 'loss' if kind == 'loss' else 'fit'
+    """The ``kind`` step (``'fit'``, ``'loss'``, ``'collect'``, ``'close'``; a streamed chunk's ``'piece'``,
+    ``'piece-loss'``, and ``'statistics'``: its batch statistics' sums): jitted unless ``jit`` says otherwise."""
+    phase = 'loss' if kind in LOSS_KINDS else 'fit'
     return self._jitted[kind] if self.parts.jit[phase] else functools.partial(self._traced, kind)
 
   def step(self, kind: str) -> Callable:
@@ -156,23 +165,27 @@ class CompiledSteps:
     return kept_or_jitted
 
   def _traced(self, kind: str, shared_args, inputs, targets):
-    self.trace_counts['loss' if kind == 'loss' else 'fit'] += 1
-    if kind == 'loss':
-      done = self._run_batch(shared_args, inputs, targets, with_grads=False)
+    if kind == 'statistics':
+      return self._chunk_sums(shared_args, inputs, targets)
+    self.trace_counts['loss' if kind in LOSS_KINDS else 'fit'] += 1
+    if kind in LOSS_KINDS:
+      done = self._run_batch(shared_args, inputs, targets, with_grads=False, streamed=kind == 'piece-loss')
       return (done.loss, done.aux) if self.options.loss_has_aux else done.loss
-    return self.train(shared_args, inputs, targets, update=kind != 'collect', via_window=kind != 'fit')
+    return self.train(shared_args, inputs, targets, update=kind != 'collect', via_window=kind != 'fit',
+                      streamed=kind == 'piece')
 
   # ------------------------------------------------------------------ one batch
 
   def train(self, shared_args, inputs, targets, plan: Optional[MicroBatchPlan] = None, update: bool = True,
-            via_window: bool = False):
-    """The train step of one batch: its gradient (cut by ``plan``, default the batch size's), then the update."""
+            via_window: bool = False, streamed: bool = False):
+    """The train step of one batch: its gradient (cut by ``plan``, default the batch size's), then the update;
+    ``streamed``: the batch is a streamed batch's chunk (through the window)."""
     via_window = via_window or self.options.accumulate_steps != 1
     if via_window and update is True and self.options.mesh is None:  # through the window, its flag says whether
       update = self.parts.window.closes.value  # it closes: one compiled step for both (on a mesh, the step that
       # only collects does without the devices' all-reduce, so it is a program of its own)
     done = self._run_batch(shared_args, inputs, targets, with_grads=True, update=update, plan=plan,
-                           via_window=via_window)
+                           via_window=via_window, streamed=streamed)
     skipped = self.parts.skipped
     if done.finite is not None:
       skipped.value += jnp.where(done.finite, 0, 1).astype(skipped.dtype)
@@ -185,9 +198,10 @@ class CompiledSteps:
     return (done.loss, done.aux) if self.options.loss_has_aux else (done.loss,)
 
   def _run_batch(self, shared_args, inputs, targets, with_grads: bool, update: bool = True,
-                 plan: Optional[MicroBatchPlan] = None, via_window: bool = False) -> Settled:
+                 plan: Optional[MicroBatchPlan] = None, via_window: bool = False, streamed: bool = False) -> Settled:
     """One batch through :mod:`~brainpy_accum.trainer._step`: this device's sums, then settled (on a mesh: in
-    ``shard_map``)."""
+    ``shard_map``). ``streamed``: a streamed batch's chunk, whose loss sees the batch statistics of all its
+    chunks (where it marks some)."""
     parts, options = self.parts, self.options
     layout = parts.check_batch(inputs, targets)
     plan = plan or self.planner.plan_for(layout.batch_size)
@@ -196,14 +210,17 @@ class CompiledSteps:
     params = parts.model.train_vars().unique() if with_grads else None
     two_passes = self._two_passes(shared_args, targets, params) if options.whole_batch_loss else None
     axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
-    one_piece = alone and plan.num_micro_batches == 1
+    # a streamed chunk: the statistics of its batch, which fit (or the planner) looked for before tracing it
+    store = self._chunk_statistics[_sizes_key((inputs, targets))] if streamed else None
+    one_piece = alone and plan.num_micro_batches == 1 and store is None
     with whole_batch_variables(parts.model, layout.batch_size, whole=not one_piece) as states, \
          parts.tracing(plan):  # remat='auto': this plan's remat in the traced time loop
       if not one_piece:
         self.check_flat_states(shared_args, (inputs, targets), axes, plan, states, layout.batch_size)
       whole = one_piece or (two_passes is not None and (plan.num_micro_batches > 1 or not alone))
       metrics = WHOLE_METRICS if whole else self._metric_plan(shared_args, (inputs, targets), axes, plan, states)
-      statistics = None if whole else self._statistics(shared_args, (inputs, targets), axes, plan, states)
+      statistics = None if whole or (streamed and store is None) else self._statistics(
+        shared_args, (inputs, targets), axes, plan, states, store)
       sums_of = functools.partial(batch_sums, micro_step(parts.loss_and_aux, shared_args, params, parts.weigh),
                                   axes=axes, plan=plan, states=states, params=params, alone=alone,
                                   two_passes=two_passes, metrics=metrics, report=self.writes, statistics=statistics)
@@ -246,12 +263,14 @@ class CompiledSteps:
     self.metric_rules = self._metric_plans[key]
     return self.metric_rules
 
-  def _statistics(self, shared_args, args, axes, plan: MicroBatchPlan, states) -> Optional[Callable]:
+  def _statistics(self, shared_args, args, axes, plan: MicroBatchPlan, states,
+                  store: Optional[StreamedStatistics] = None) -> Optional[Callable]:
     """Where ``loss_fun`` marks batch statistics (:func:`~brainpy_accum.batch_mean`), what
     :func:`~brainpy_accum.trainer._step.batch_sums` runs for them: their pass over the micro-batches (on a mesh,
     added over the devices), then the micro-batches' losses seeing the whole batch's (found by tracing the
-    loss at two micro-batch sizes, once per plan and batch shape; ``None``: the loss marks none)."""
-    if not self._statistic_names(shared_args, args, axes, plan, states):
+    loss at two micro-batch sizes, once per plan and batch shape; ``None``: the loss marks none). A streamed
+    batch's chunk (``store``) reads the batch's from ``store`` instead, filled by a pass over every chunk."""
+    if store is None and not self._marked(shared_args, args, axes, plan, states).names:
       return None
     options, loss_of = self.options, lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args)
     across = None if options.mesh is None else functools.partial(jax.lax.psum, axis_name=options.mesh_axis)
@@ -261,35 +280,50 @@ class CompiledSteps:
     def statistics(micro_fn, args, axes, plan, states):
       term_of = lambda found: statistic_term(self.parts.forward(shared_args), self.parts.loss_of, args, axes,  # noqa
                                              plan, states, found, replayed)
+      found, kept = (None, 1.) if store is None else (store.statistics(), store.keep_term())
       return seeing_statistics(micro_fn, loss_of, self.parts.weigh, options.grad_reduction, args, axes, plan, states,
-                               replayed, across, options.devices, term_of)
+                               replayed, across, options.devices, term_of, found, kept)
 
     return statistics
 
-  def refuse_streamed_statistics(self, shared_args, inputs, targets, batch_size: int) -> None:
-    """Before the first piece of a batch streamed from the host: a loss that marks batch statistics is refused
-    (traced on the piece ``inputs, targets``, nothing runs): they must span the whole batch, and its pieces run
-    as steps of their own, which do not see one another's samples."""
-    layout = self.parts.check_batch(inputs, targets)
-    if layout.batch_size < 2:
-      return
-    plan = plan_micro_batches(layout.batch_size, num_micro_batch=2)
-    axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
-    with whole_batch_variables(self.parts.model, layout.batch_size) as states, self.parts.quiet():
-      names = self._statistic_names(fit_args(shared_args), (inputs, targets), axes, plan, states)
-    if names:
-      raise ValueError(f'loss_fun marks batch statistics ({", ".join(names)}), which span the whole batch, but the '
-                       f'batch of {batch_size} is streamed from the host in pieces of {layout.batch_size} (its data '
-                       f'does not fit the device beside its step), and streamed pieces do not see one another\'s '
-                       f'samples yet. Pass batches whose data fits the device (the planner then cuts them into '
-                       f'micro-batches on it), or compute the statistic with bm.mean (per piece: another objective).')
+  def streamed_statistics(self, shared_args, inputs, targets) -> Optional[StreamedStatistics]:
+    """Where ``loss_fun`` marks batch statistics, the Variables that a streamed batch's chunks of this shape
+    (``inputs, targets``, the model state at their size) read the whole batch's from (``None``: it marks none).
+    Made before a chunk's step is traced (traced on the host, once per chunk shape: nothing runs), and shared
+    by the chunks of every batch whose statistics have the same shapes."""
+    key = _sizes_key((inputs, targets))
+    if key not in self._chunk_statistics:
+      layout = self.parts.check_batch(inputs, targets)
+      plan = plan_micro_batches(layout.batch_size, num_micro_batch=min(2, layout.batch_size))
+      axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
+      with whole_batch_variables(self.parts.model, layout.batch_size) as states, self.parts.quiet():
+        marked = self._marked(fit_args(shared_args), (inputs, targets), axes, plan, states)
+      store = None
+      if marked.names:
+        signature = (marked.kinds, tuple((s.shape, str(s.dtype)) for s in marked.sums))
+        store = self._stores.setdefault(signature, StreamedStatistics(marked))
+      self._chunk_statistics[key] = store
+    return self._chunk_statistics[key]
 
-  def _statistic_names(self, shared_args, args, axes, plan: MicroBatchPlan, states) -> list:
-    """The batch statistics ``loss_fun`` marks, traced at two micro-batch sizes of ``plan``, once per plan and
-    batch shape."""
+  def _chunk_sums(self, shared_args, inputs, targets):
+    """The ``'statistics'`` step of a streamed batch's chunk: its batch statistics' sums, element counts and
+    total weight, from its micro-batches run forward (no gradient; the model state put back), for
+    :meth:`StreamedStatistics.add`."""
+    parts = self.parts
+    layout = parts.check_batch(inputs, targets)
+    plan = self.planner.plan_for(layout.batch_size)
+    axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
+    loss_of = lambda micro_args, n: parts.loss_and_aux(shared_args, *micro_args)  # noqa
+    with whole_batch_variables(parts.model, layout.batch_size) as states, parts.tracing(plan):
+      found = statistics_pass(loss_of, parts.weigh, (inputs, targets), axes, plan, states, self._replayed())
+    return found.totals, found.counts, found.weight
+
+  def _marked(self, shared_args, args, axes, plan: MicroBatchPlan, states):
+    """The batch statistics ``loss_fun`` marks (:func:`~brainpy_accum.core._batch_stats.marked_statistics`),
+    traced at two micro-batch sizes of ``plan``, once per plan and batch shape."""
     key = (plan[:4], _shapes_key(args))
     if key not in self._statistic_calls:
-      self._statistic_calls[key] = statistic_calls(
+      self._statistic_calls[key] = marked_statistics(
         lambda micro_args, n: self.parts.loss_and_aux(shared_args, *micro_args), args, axes, states, plan)
     return self._statistic_calls[key]
 
@@ -312,10 +346,14 @@ class CompiledSteps:
   # ------------------------------------------------------------------ compiled ahead of time
 
   @contextlib.contextmanager
-  def for_plan(self, plan: Optional[MicroBatchPlan], update: bool = True, via_window: bool = False):
+  def for_plan(self, plan: Optional[MicroBatchPlan], batch: tuple = (), update: bool = True,
+               via_window: bool = False):
     """The train step for ``plan``, jitted on its own (not fit's), to trace, lower or compile inside the
-    ``with``: the context its trace needs (no time-step bars, the plan's tracing)."""
-    step = bm.jit(functools.partial(self.train, plan=plan, update=update, via_window=via_window),
+    ``with``: the context its trace needs (no time-step bars, the plan's tracing). ``via_window``: a streamed
+    batch's chunk, ``batch`` (``shared_args, inputs, targets``) its data."""
+    if via_window:
+      self.streamed_statistics(*batch)
+    step = bm.jit(functools.partial(self.train, plan=plan, update=update, via_window=via_window, streamed=via_window),
                   static_argnums=(0,))
     with self.parts.quiet(), self.parts.tracing(plan):
       yield step
@@ -323,7 +361,7 @@ class CompiledSteps:
   def compile(self, inputs, targets, shared_args: Optional[dict] = None, plan: Optional[MicroBatchPlan] = None,
               update: bool = True, via_window: bool = False, quick: bool = False):
     """The train step for this batch shape compiled ahead of time (see :meth:`AccumBPTT.compile_step`)."""
-    with self.for_plan(plan, update=update, via_window=via_window) as step:
+    with self.for_plan(plan, (shared_args, inputs, targets), update=update, via_window=via_window) as step:
       return step.lower(fit_args(shared_args), inputs, targets).compile(
         compiler_options=QUICK_COMPILE if quick else None)
 
@@ -335,7 +373,7 @@ class CompiledSteps:
   def _unkeep(self, batch_size: int) -> None:
     """Forget the planner's step kept for ``batch_size`` (and its pieces'): fit traces the new plan's."""
     self._kept.pop(('fit', batch_size), None)
-    self._kept.pop(('close', batch_size), None)
+    self._kept.pop(('piece', batch_size), None)
 
   def _probe(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
     """The planner's quick probe: the step's memory, compiled without optimising its code."""
@@ -349,7 +387,7 @@ class CompiledSteps:
     its trace counts 3.6 MB of stacked residuals), so there every candidate is compiled."""
     if self.options.mesh is not None or jax.default_backend() != 'cpu':
       return 0
-    with self.for_plan(plan, via_window=via_window) as step:
+    with self.for_plan(plan, (shared_args, inputs, targets), via_window=via_window) as step:
       jaxpr = step.stateful_fun.get_jaxpr(fit_args(shared_args), inputs, targets)
     return self.parts.fixed_bytes(inputs, targets) + temp_bytes_at_least(jaxpr)
 
@@ -364,11 +402,13 @@ class CompiledSteps:
     batch size, so that the planner's compilation is the training's (no second one)."""
     batch_size, shared_args = self.parts.check_batch(inputs, targets).batch_size, fit_args(shared_args)
     step = None
+    if via_window:
+      self.streamed_statistics(shared_args, inputs, targets)
 
     def traced(shared_args, inputs, targets):
       if any(kept is step for kept in self._kept.values()):  # a retrace of a kept step counts as fit's
         self.trace_counts['fit'] += 1
-      return self.train(shared_args, inputs, targets, plan=plan, via_window=via_window)
+      return self.train(shared_args, inputs, targets, plan=plan, via_window=via_window, streamed=via_window)
 
     step = bm.jit(traced, static_argnums=(0,))
     with self.parts.quiet(), self.parts.tracing(plan), brainstate.environ.context(fit=True):
@@ -377,11 +417,16 @@ class CompiledSteps:
 
     def keep():
       if self.keepable(via_window):
-        self._kept['close' if via_window else 'fit', batch_size] = step
+        self._kept['piece' if via_window else 'fit', batch_size] = step
         self.trace_counts['fit'] += 1  # its trace and compilation are fit's: fit will not repeat them
         self.parts.note_compilations('fit', 1)
 
     return PlannedStep(step_memory(compiled), lambda: jax.block_until_ready(compiled(values, inputs, targets)), keep)
+
+
+def _sizes_key(args) -> tuple:
+  """The shapes of ``args``' leaves (host arrays and the traced arrays of a step alike)."""
+  return tuple(tuple(jnp.shape(x)) for x in jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, bm.Array)))
 
 
 def _shapes_key(args) -> tuple:

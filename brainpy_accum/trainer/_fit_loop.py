@@ -24,6 +24,7 @@ from ..diagnostics._compiles import count_compilations
 from ..memory._oom import run_with_retry
 from ..memory._stream import StreamedStates, chunk_sizes, combine_later, host_pieces
 from ._arguments import check_carried_batch, check_carried_sizes
+from ._compiled_steps import LOSS_KINDS
 from ._fit_check import FitCheck
 from ._feed import Sender
 from ._pass import Batch, Pass, PhaseLog
@@ -194,19 +195,18 @@ class FitLoop:
     pieces, results, weights = self._pieces(batch.inputs, batch.targets), [], []
     update, weigh = one.updates(batch), self.view.settings.loss_weight_fn
     with states.declared():
+      self._statistics_of_pieces(batch, pieces, states)
       for i, (start, size, piece) in enumerate(pieces):
         host = piece()  # (NumPy views: nothing copied)
         data = batch.sent.pop(i, None) or host
         states.enter(start, size)
-        if i == 0:  # (traced on the first piece, in its model state: nothing runs)
-          self.view.steps.refuse_streamed_statistics(self.options.shared_args, *host, batch.size)
         # the shorter last has its own plan, made on the host data, with the next piece sent beside it counted
         self.view.planner.plan_chunk(*host, self.options.shared_args)
         last = update and i == len(pieces) - 1
         kind = self._kind(one.phase, last, streamed=True)
         first = i == 0 and one.phase == 'fit'
         with self._checked_piece(batch, data, size, states) if first else contextlib.nullcontext(), \
-             self._closing(kind == 'close' and not last):
+             self._closing(kind == 'piece' and not last):
           results.append(self._step(kind, data, size, batch))
         one.feed.dispatched(results[-1][0], i, len(pieces))  # the next piece (or batch) on its way
         weights.append(size if weigh is None else weigh(*data))  # read with the results, when reported
@@ -214,6 +214,24 @@ class FitLoop:
     states.join()
     return combine_later(results, weights, self.view.settings.grad_reduction, self.view.steps.metric_rules,
                          chunk_sizes(batch.size, self.view.planner.stream_chunks[batch.size]))
+
+  def _statistics_of_pieces(self, batch: Batch, pieces: list, states: StreamedStates) -> None:
+    """Where ``loss_fun`` marks batch statistics (:func:`~brainpy_accum.batch_mean`), their pass over every piece
+    of a streamed batch before the pieces' steps, which read the whole batch's
+    (:class:`~brainpy_accum.memory._stream.StreamedStatistics`): each piece forward (no gradient, its model state
+    put back), so the data crosses to the device twice."""
+    shared_args, store = self.options.shared_args, None
+    for start, size, piece in {size: (start, size, piece) for start, size, piece in pieces}.values():
+      states.enter(start, size)  # (one piece of each shape, traced on the host in its model state: nothing runs)
+      store = self.view.steps.streamed_statistics(shared_args, *piece()) or store
+    if store is None:
+      return
+    store.start()
+    for i, (start, size, piece) in enumerate(pieces):
+      host = piece()
+      states.enter(start, size)
+      self.view.planner.plan_chunk(*host, shared_args)
+      store.add(self.view.steps.step('statistics')(shared_args, *batch.sent.get(i, host)))
 
   def _pieces(self, inputs, targets) -> Optional[list]:
     """The pieces of a batch like the one in hand (:func:`~brainpy_accum.memory._stream.host_pieces`), or
@@ -233,31 +251,35 @@ class FitLoop:
   def _step(self, kind: str, data: tuple, size: int, batch: Batch) -> Tuple[Any, dict]:
     """Run one compiled step on ``data`` (``size`` samples of ``batch``; again, cut finer, after running out of
     device memory); its ``(loss, aux)``."""
-    shared_args, phase = self.options.shared_args, 'loss' if kind == 'loss' else 'fit'
+    shared_args, phase = self.options.shared_args, 'loss' if kind in LOSS_KINDS else 'fit'
     with self._errors_of_the_whole_batch(batch):
       result, compiles = run_with_retry(
         lambda: _call_step(self.view.steps.step(kind), shared_args, *data),
         lambda error: self.view.hooks.replan_finer(size, error, *data, shared_args))
     if self.view.settings.jit[phase]:  # without jit every operation compiles on its own: nothing to count
       self.view.compilations.note(phase, compiles)
-    if kind == 'loss':
+    if kind in LOSS_KINDS:
       return result if self.view.settings.loss_has_aux else (result, {})
     return result[0], (result[1] if self.view.settings.loss_has_aux else {})
 
   def _kind(self, phase: str, update: bool, streamed: bool = False) -> str:
     """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or on a mesh the
-    ``accumulate_steps`` window's update), ``'collect'`` (on a mesh: into the window, no update) or ``'close'``
-    (every step through the window without a mesh, a streamed piece's or an ``accumulate_steps`` batch's: the
-    window's ``closes`` flag, set around it by :meth:`_closing`, says whether it updates; one program for both)."""
+    ``accumulate_steps`` window's update), ``'collect'`` (on a mesh: into the window, no update), ``'close'``
+    (every step through the window without a mesh, an ``accumulate_steps`` batch's: the window's ``closes``
+    flag, set around it by :meth:`_closing`, says whether it updates; one program for both), and a streamed
+    piece's (streaming runs without a mesh): ``'piece'`` (``'close'``'s, its loss seeing the batch statistics
+    of the whole batch) and ``'piece-loss'`` (evaluation)."""
+    if streamed:
+      return 'piece' if phase == 'fit' else 'piece-loss'
     if phase != 'fit':
       return 'loss'
-    if (streamed or self.view.settings.accumulate_steps != 1) and not self.view.settings.on_mesh:
+    if self.view.settings.accumulate_steps != 1 and not self.view.settings.on_mesh:
       return 'close'
     return 'fit' if update else 'collect'
 
   @contextlib.contextmanager
   def _closing(self, collect_only: bool):
-    """Run a ``'close'`` step without the update (``collect_only``): the window's ``closes`` flag, an argument
+    """Run a ``'close'`` (``'piece'``) step without the update (``collect_only``): the window's ``closes`` flag, an argument
     of the step, is False inside and True again after."""
     if not collect_only:
       yield

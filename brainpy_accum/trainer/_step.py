@@ -83,7 +83,8 @@ def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: Micro
   """The weighted sums of ``plan``'s micro-batches of ``args`` (this device's share), from the core.
 
   ``alone``: nothing else is added to this batch (no mesh, no window), so a batch in one piece is its own
-  mean, weight ``1``: :class:`brainpy.BPTT`'s step, bit for bit. ``two_passes(args, axes, plan, states)``,
+  mean, weight ``1``: :class:`brainpy.BPTT`'s step, bit for bit (but for a streamed chunk's evaluation, whose
+  ``statistics`` are its batch's). ``two_passes(args, axes, plan, states)``,
   given, runs a batch of several micro-batches instead (``whole_batch_loss=True``; also weight ``1``).
   ``metrics``: how the metrics combine (:mod:`~brainpy_accum.core._metrics`); a batch in one piece and the two
   passes give the whole batch's metrics as they are. ``statistics(micro_fn, args, axes, plan, states)``, given
@@ -91,7 +92,7 @@ def batch_sums(micro_fn: Callable, args: tuple, axes: Sequence[int], plan: Micro
   micro-batches and returns ``micro_fn`` seeing them, and what the loss sum holds too much (``'sum'``: the
   statistics' term once per micro-batch but one; else ``None``).
   """
-  if plan.num_micro_batches == 1 and alone:
+  if plan.num_micro_batches == 1 and alone and statistics is None:
     out = micro_fn(args, plan.batch_size)
     return Sums(out.grads, 1., out.loss, out.aux, None, 1.)
   if two_passes is not None and (plan.num_micro_batches > 1 or not alone):

@@ -13,6 +13,7 @@ import pytest
 
 from brainpy_accum import AccumBPTT, batch_mean, batch_sum, micro_batched_grad
 from brainpy_accum.core._batch_stats import StatisticsError
+from brainpy_accum.memory._stream import chunk_sizes
 from helpers import assert_trees_close, make_batches, make_model, params_of
 
 
@@ -149,24 +150,48 @@ def test_micro_batched_grad_sees_the_whole_batch_statistics(reduction):
   np.testing.assert_allclose(loss, whole_loss, rtol=1e-6)
 
 
-def test_a_streamed_batch_with_statistics_is_refused_before_the_first_step():
-  """Pieces streamed from the host run as steps of their own: a statistic would span one piece, so the batch is
-  refused, naming the statistic and what to do, before anything changes."""
+def _streamed_fit(loss, reduction: str):
+  """bp.BPTT on whole batches of 24 and AccumBPTT with a budget that streams each from the host in chunks (2 updates,
+  then a test batch streamed alike); both trainers and the chunk size."""
   from helpers import streaming_budget
 
-  def mean_and_rate(predicts, targets):
-    return bm.mean((predicts - targets) ** 2) + bm.sum((batch_mean(predicts, axis=(0, 1), name='level') - 0.3) ** 2)
+  batches = make_batches([24, 24, 24], num_time=20, n_in=64)
 
-  batches = make_batches([24], num_time=20, n_in=64)
-  probe = AccumBPTT(make_model('snn', n_in=64), mean_and_rate, optimizer=bp.optim.Adam(lr=0.01),
-                    progress_bar=False, num_micro_batch='auto', memory_budget='1GiB', cache=False)
-  trainer = AccumBPTT(make_model('snn', n_in=64), mean_and_rate, optimizer=bp.optim.Adam(lr=0.01),
-                      progress_bar=False, num_micro_batch='auto', memory_budget=streaming_budget([probe], batches),
-                      cache=False)
-  before = params_of(trainer.target)
-  with pytest.raises(ValueError, match=r'marks batch statistics \(level\).*streamed from the host in pieces'):
-    trainer.fit(batches, num_epoch=1)
-  assert_trees_close(params_of(trainer.target), before, rtol=0, atol=0)
+  def trainer_of(trainer_class, **options):
+    model = make_model('snn', n_in=64)
+    return trainer_class(model, loss, optimizer=bp.optim.Adam(lr=0.05), loss_has_aux=True, progress_bar=False,
+                         monitors={'spike': model.lif.spike}, **options)
+
+  def fitted(one):  # (built just before its fit: the model's reset draws from the random key make_model sets)
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', UserWarning)
+      one.fit(batches[:2], test_data=batches[2:], num_epoch=1)
+    return one
+
+  probe = trainer_of(AccumBPTT, num_micro_batch='auto', memory_budget='1GiB', cache=False, grad_reduction=reduction)
+  budget = streaming_budget([probe], batches)
+  expected = fitted(trainer_of(bp.BPTT))
+  trainer = fitted(trainer_of(AccumBPTT, num_micro_batch='auto', memory_budget=budget, cache=False,
+                              grad_reduction=reduction))
+  return expected, trainer, trainer.stream_chunks[24]
+
+
+@pytest.mark.parametrize('loss, names, reduction', [
+  (rate_regularised, ('reg', 'rate', 'per_sample'), 'mean'),
+  pytest.param(summed_with_rate, ('reg',), 'sum', marks=pytest.mark.long),
+], ids=['mean', 'sum'])
+def test_a_streamed_batch_sees_the_statistics_of_all_its_chunks(loss, names, reduction):
+  """A batch streamed from the host in chunks: a pass over every chunk first takes the whole batch's statistics,
+  which every chunk's step then sees, so the updates, the losses (grad_reduction='sum': the statistics' term
+  once, not once per chunk), the metrics and the streamed test batch's loss are bp.BPTT's on the whole batch."""
+  expected, trainer, chunk = _streamed_fit(loss, reduction)
+  assert len(chunk_sizes(24, chunk)) > 1, chunk  # (streamed: several chunks)
+  assert_trees_close(params_of(trainer.target), params_of(expected.target), rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(trainer.train_losses, expected.train_losses, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(trainer.get_hist_metric('test', 'loss'), expected.get_hist_metric('test', 'loss'),
+                             rtol=1e-5, atol=1e-6)
+  for name, values in _history(expected, names).items():
+    np.testing.assert_allclose(_history(trainer, names)[name], values, rtol=1e-5, atol=1e-6)
 
 
 def level_regularised(predicts, targets):
