@@ -150,10 +150,12 @@ def test_micro_batched_grad_sees_the_whole_batch_statistics(reduction):
   np.testing.assert_allclose(loss, whole_loss, rtol=1e-6)
 
 
-def _streamed_fit(loss, reduction: str):
+def _streamed_fit(loss, reduction: str, sent_ahead: bool):
   """bp.BPTT on whole batches of 24 and AccumBPTT with a budget that streams each from the host in chunks (2 updates,
-  then a test batch streamed alike); both trainers and the chunk size."""
+  then a test batch streamed alike; ``sent_ahead``: in pieces sent to the device ahead, an accelerator's path);
+  both trainers and the chunk size."""
   from helpers import streaming_budget
+  from brainpy_accum.trainer._feed import overlapping
 
   batches = make_batches([24, 24, 24], num_time=20, n_in=64)
 
@@ -163,7 +165,7 @@ def _streamed_fit(loss, reduction: str):
                          monitors={'spike': model.lif.spike}, **options)
 
   def fitted(one):  # (built just before its fit: the model's reset draws from the random key make_model sets)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), overlapping(sent_ahead):
       warnings.simplefilter('error', UserWarning)
       one.fit(batches[:2], test_data=batches[2:], num_epoch=1)
     return one
@@ -176,15 +178,16 @@ def _streamed_fit(loss, reduction: str):
   return expected, trainer, trainer.stream_chunks[24]
 
 
-@pytest.mark.parametrize('loss, names, reduction', [
-  (rate_regularised, ('reg', 'rate', 'per_sample'), 'mean'),
-  pytest.param(summed_with_rate, ('reg',), 'sum', marks=pytest.mark.long),
-], ids=['mean', 'sum'])
-def test_a_streamed_batch_sees_the_statistics_of_all_its_chunks(loss, names, reduction):
+@pytest.mark.parametrize('loss, names, reduction, sent_ahead', [
+  (rate_regularised, ('reg', 'rate', 'per_sample'), 'mean', False),
+  pytest.param(summed_with_rate, ('reg',), 'sum', False, marks=pytest.mark.long),
+  pytest.param(rate_regularised, ('reg', 'rate', 'per_sample'), 'mean', True, marks=pytest.mark.long),
+], ids=['mean', 'sum', 'pieces-sent-ahead'])
+def test_a_streamed_batch_sees_the_statistics_of_all_its_chunks(loss, names, reduction, sent_ahead):
   """A batch streamed from the host in chunks: a pass over every chunk first takes the whole batch's statistics,
   which every chunk's step then sees, so the updates, the losses (grad_reduction='sum': the statistics' term
   once, not once per chunk), the metrics and the streamed test batch's loss are bp.BPTT's on the whole batch."""
-  expected, trainer, chunk = _streamed_fit(loss, reduction)
+  expected, trainer, chunk = _streamed_fit(loss, reduction, sent_ahead)
   assert len(chunk_sizes(24, chunk)) > 1, chunk  # (streamed: several chunks)
   assert_trees_close(params_of(trainer.target), params_of(expected.target), rtol=2e-5, atol=2e-6)
   np.testing.assert_allclose(trainer.train_losses, expected.train_losses, rtol=1e-5, atol=1e-6)
