@@ -54,6 +54,7 @@ def _child(options: dict, shape: dict) -> dict:
   import numpy as np
 
   from ..diagnostics._compiles import count_compilations
+  from ..diagnostics._phases import record_phases
   from ..trainer import AccumBPTT
 
   bm.random.seed(0)
@@ -67,7 +68,7 @@ def _child(options: dict, shape: dict) -> dict:
   def last_step_cross_entropy(predicts, targets):
     return bp.losses.cross_entropy_loss(predicts[:, -1], targets)
 
-  with count_compilations() as compiled:
+  with count_compilations() as compiled, record_phases() as phases:
     start, cpu_start = time.perf_counter(), time.process_time()
     if options:
       trainer = AccumBPTT(model, last_step_cross_entropy, bp.optim.Adam(lr=1e-3), progress_bar=False, **options)
@@ -75,7 +76,7 @@ def _child(options: dict, shape: dict) -> dict:
       trainer = bp.BPTT(model, last_step_cross_entropy, bp.optim.Adam(lr=1e-3), progress_bar=False)
     trainer.fit(data, num_epoch=1)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-  return {'seconds': seconds, 'cpu_seconds': cpu_seconds, 'compilations': compiled(),
+  return {'seconds': seconds, 'cpu_seconds': cpu_seconds, 'compilations': compiled(), 'phases': phases.table(),
           'plan': {str(k): v[0].describe() for k, v in getattr(trainer, 'memory_plans', {}).items()}}
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 from tqdm import tqdm
 
 from ..core._cut import describe_remat, plan_micro_batches
+from ..diagnostics._phases import phase
 from ._budget import (PlannedStep, StepMemory, TooSmall, memory_parts, candidate_micro_batch_sizes, format_memory,
                       largest_fitting)
 
@@ -178,7 +179,8 @@ def _timed(budget: int, compilers, step_time: Optional[Callable], plan_of: Calla
   compilers.before_timing()
   # two interleaved runs each, the faster kept: the first run of a new executable is the slow one (about
   # 20% on CPU), so this is the second's time, for one run less per candidate than a warm-up and two rounds
-  seconds = iter(time_steps([step.run for step in fitting], rounds=2, warm_up=False, estimate=min))
+  with phase('trial runs'):
+    seconds = iter(time_steps([step.run for step in fitting], rounds=2, warm_up=False, estimate=min))
   return [next(seconds) if step.memory.total <= budget else float('inf') for step in steps]
 
 
