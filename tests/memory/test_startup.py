@@ -15,6 +15,7 @@ import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
+from brainpy_accum.diagnostics._phases import PHASES, record_phases
 from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting
 from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
 from brainpy_accum.memory._plan_key import _code
@@ -291,3 +292,18 @@ def test_rerun_with_a_cached_plan_compiles_nothing_new_the_loss_check_included(d
   requests, hits = (_CACHE_EVENTS[e] - before[e] for e in _CACHE_EVENTS)
   assert requests >= 2 and hits == requests  # the step and the check at least; nothing compiled anew
   assert_trees_close(again, first)
+
+
+def test_first_fit_phases_add_up_to_the_fit_and_hold_the_planners_compilations(data):
+  """The start-up bench's phases (:mod:`~brainpy_accum.diagnostics._phases`): the planner's quick probes and its
+  compilation for training are where they happen, nothing is counted twice (the phases on the fit's thread add up
+  to the whole span), and no compilation is lost."""
+  batches, budget, _ = data
+  trainer = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
+  with record_phases() as recorded, count_compilations() as compiled:
+    trainer.fit(batches, num_epoch=1)
+  table = recorded.table()
+  assert table['planning probes']['compilations'] >= 1 and table['planned step compiles']['compilations'] >= 1
+  assert table['trial runs']['seconds'] == 0  # (remat=False: no trial steps)
+  assert sum(table[name]['seconds'] for name in PHASES) == pytest.approx(table['total']['seconds'], abs=1e-6)
+  assert table['total']['compilations'] >= compiled()  # (the check's thread, beside, is not counted by compiled)
