@@ -297,8 +297,7 @@ def _run_section(facts: dict, run: dict) -> List[str]:
     out += [f"- {h['held_share']:.0%} held: {h['seconds']:.1f} s, "
             + (f"plan {h['plan']}" if h['error'] is None else f"error {h['error']}") for h in run['holds']]
     out.append('')
-  if run.get('host_copy'):
-    out += _host_copy_table(run['host_copy'])
+  out += _host_copy_table(run['host_copy']) if run.get('host_copy') else []
   if run.get('notes'):  # measured on the same device beside the benchmark (kept in accelerator.json)
     out += ['### Measured beside it', ''] + [f'- {note}' for note in run['notes']] + ['']
   return out
