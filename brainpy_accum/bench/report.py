@@ -412,6 +412,15 @@ each a subset of the batch sizes that adds its rows to `accelerator.json` (same 
 bp.BPTT's reference is measured once: a call above the batch whose bp.BPTT step an earlier call found too large
 does not compile it again.
 
+The first epoch is also given by phase (`brainpy_accum.diagnostics._phases`): the planner's quick probes, its
+compilations for training (the kept one is the step's own compilation), trial steps, other planning, the wait for
+the first-batch check, the steps' compilations outside planning, and the runs with the rest (transfers, the loop);
+"beside" is the check compiling on its own thread. AccumBPTT's first epoch is set against bp.BPTT's at the same
+batch, or, where bp.BPTT does not fit, at its largest batch that does (marked `*`). `--host-copy 4 8 16` measures,
+in plain JAX, a piece's copy to the device out of host arrays of those sizes (GB): directly, from 4 threads,
+staged in a reused or a fresh host buffer, and through JAX's `pinned_host` memory, from slices written just
+before and from pages never touched since the array was made.
+
 The ratios against bp.BPTT's best speed on device batches are the issue's measure. `--holds BATCH` also trains
 one batch after planning it with 60% and 30% of the device held by an array. FLOP/s count the matmuls:
 `6 B T (I H + H H + H O)` a train step. "Bytes" are XLA's compile-time figure of the train step (arguments,
