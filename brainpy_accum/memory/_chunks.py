@@ -353,8 +353,6 @@ class ChunkSearch:
     if top is None:
       return None
     batch = (self.shared_args, *self._chunk_of(top))  # (the first probes of its own search, if it is planned)
-    for remat in list(self.options)[1:]:  # compiled beside the first option's probe
-      self.outer.prefetch(self._plan_of(top, top, remat), *batch, True)
     measured = {remat: memory_parts(self._probe(self._plan_of(top, top, remat), *batch, True))
                 for remat in self.options}
     self._line['offset'] = max(fixed for _, fixed in measured.values()) - fixed_least[top]

@@ -147,19 +147,16 @@ def fastest_fitting(share: int, budget: int, compilers, batch: tuple, via_window
       compiled[size, remat] = compilers.trial(plan_of(size, remat), *batch, via_window)
     return compiled[size, remat]
 
-  whole_fits = False
   if compilers.keepable(via_window) and compiles_whole_first():  # the first probe compiled for training
-    whole_fits = compile_(share, False).memory.total <= budget
-  guessed = compilers.guess(plan_of(share, False)) is not None
-  if share > 1 and not whole_fits and not guessed:  # the search with remat starts at the whole share (without a
-    compilers.prefetch(plan_of(share, True), *batch, via_window)  # guess): compiled beside the one without remat
+    compile_(share, False)
 
   def probe(size, remat):
     if (size, remat) in compiled:
       return compiled[size, remat].memory
     return compilers.step_bytes(plan_of(size, remat), *batch, via_window)
   timed = functools.partial(_timed, budget, compilers, step_time, plan_of, compile_)
-  guess = None if not guessed else (lambda size, remat: compilers.guess(plan_of(size, remat)))
+  guess = None if compilers.guess(plan_of(share, False)) is None else (
+    lambda size, remat: compilers.guess(plan_of(size, remat)))
   chosen, weighed = choose_fastest_plan(share, budget, probe, timed, finer=0, guess=guess,
                                         measure_pick=lambda size, remat: compile_(size, remat).memory)
   if chosen.seconds == float('inf'):

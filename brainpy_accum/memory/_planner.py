@@ -50,9 +50,7 @@ class Compilers(NamedTuple):
   ``guess(plan) -> float or None``: that step's bytes predicted from other measurements (a streamed batch's
   chunks), where the search for a plan starts; never trusted (``None``: no guess); ``unkeep(batch_size)``:
   forget the step kept for ``batch_size`` (its plan is made again); ``before_timing()``: called before trial
-  steps are timed (work running beside planning finishes first); ``prefetch(plan, shared_args, inputs, targets,
-  via_window)``: start the quick probe of ``plan`` beside what follows, for a later ``step_bytes`` of it (a hint:
-  doing nothing is always right).
+  steps are timed (work running beside planning finishes first).
   """
   step_bytes: Callable[..., Any]
   trial: Callable[..., PlannedStep]
@@ -61,7 +59,6 @@ class Compilers(NamedTuple):
   guess: Callable[[MicroBatchPlan], Optional[float]] = lambda plan: None
   unkeep: Callable[[int], None] = lambda batch_size: None
   before_timing: Callable[[], None] = lambda: None
-  prefetch: Callable[..., None] = lambda *args: None
 
 
 class PlannedModel(NamedTuple):

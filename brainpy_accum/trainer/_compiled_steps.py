@@ -10,7 +10,6 @@ What it computes with (the model, the loss, the plan of a batch size, the window
 
 import contextlib
 import functools
-import threading
 from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Tuple
 
 import brainpy.math as bm
@@ -38,7 +37,7 @@ from ..memory._planner import Compilers
 from ..core._mesh import on_mesh, split_variables
 from ._step import WINDOW_HOLDS, Settled, batch_sums, clip_by_global_norm, guarded_update, micro_step, same, settle
 
-__all__ = ['CompiledSteps', 'CompilingBeside', 'StepOptions', 'StepParts', 'fit_args']
+__all__ = ['CompiledSteps', 'StepOptions', 'StepParts', 'fit_args']
 
 
 class StepOptions(NamedTuple):
@@ -125,7 +124,6 @@ class CompiledSteps:
     # (kind, batch size) -> the planner's compiled step, which fit runs: 'fit', or 'close' (a streamed batch's
     # last chunk, whose step is the one the planner compiles for a chunk)
     self._kept: Dict[Tuple[str, int], Any] = {}
-    self._prefetched: Dict[tuple, CompilingBeside] = {}  # quick probes compiling on their own threads
 
   def use_found(self, found: Dict[str, str]) -> None:
     """The first-batch check found how undeclared metrics combine: steps traced before with other rules (the
@@ -333,8 +331,7 @@ class CompiledSteps:
   def compilers(self, before_timing: Callable[[], None]) -> Compilers:
     """What the planner compiles and times; ``before_timing()`` runs before trial steps are timed."""
     return Compilers(step_bytes=self._probe, trial=self._compiled_for_training, keepable=self.keepable,
-                     bytes_at_least=self._bytes_at_least, unkeep=self._unkeep, before_timing=before_timing,
-                     prefetch=self._prefetch)
+                     bytes_at_least=self._bytes_at_least, unkeep=self._unkeep, before_timing=before_timing)
 
   def _unkeep(self, batch_size: int) -> None:
     """Forget the planner's step kept for ``batch_size`` (and its pieces'): fit traces the new plan's."""
@@ -342,23 +339,9 @@ class CompiledSteps:
     self._kept.pop(('close', batch_size), None)
 
   def _probe(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
-    """The planner's quick probe: the step's memory, compiled without optimising its code (or, where
-    :meth:`_prefetch` started it, its compilation waited for)."""
+    """The planner's quick probe: the step's memory, compiled without optimising its code."""
     with phase('planning probes'):
-      started = self._prefetched.pop((tuple(plan), via_window, _shapes_key((inputs, targets))), None)
-      if started is not None:
-        return step_memory(started.result())
       return step_memory(self.compile(inputs, targets, shared_args, plan=plan, via_window=via_window, quick=True))
-
-  def _prefetch(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> None:
-    """Lower the quick probe of ``plan`` here and compile it on a thread of its own, beside what the planner does
-    next (XLA releases the interpreter while it compiles); the probe of that plan and batch shapes then waits for
-    it instead of compiling (:meth:`_probe`)."""
-    key = (tuple(plan), via_window, _shapes_key((inputs, targets)))
-    if key not in self._prefetched:
-      with phase('planning probes'), self.for_plan(plan, via_window=via_window) as step:
-        lowered = step.lower(fit_args(shared_args), inputs, targets)
-      self._prefetched[key] = CompilingBeside(lowered, QUICK_COMPILE)
 
   def _bytes_at_least(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
     """A lower bound of the step's memory for ``plan``, from its trace alone (no compilation): the fixed bytes
@@ -402,30 +385,6 @@ class CompiledSteps:
         self.parts.note_compilations('fit', 1)
 
     return PlannedStep(step_memory(compiled), lambda: jax.block_until_ready(compiled(values, inputs, targets)), keep)
-
-
-class CompilingBeside:
-  """A lowered program compiling on a thread of its own (named so that its compilation counts as the steps' do);
-  :meth:`result` waits for the executable, or raises what the compilation raised."""
-
-  def __init__(self, lowered, options: Optional[dict] = None):
-    self._done: dict = {}
-    self._thread = threading.Thread(target=self._compile, args=(lowered, options), name='brainpy_accum probe',
-                                    daemon=True)
-    self._thread.start()
-
-  def _compile(self, lowered, options) -> None:
-    try:
-      self._done['compiled'] = lowered.compile(compiler_options=options)
-    except Exception as error:  # noqa: BLE001 -- raised by result(), on the thread that asks for it
-      self._done['error'] = error
-
-  def result(self):
-    """The compiled executable (waits for it)."""
-    self._thread.join()
-    if 'error' in self._done:
-      raise self._done['error']
-    return self._done['compiled']
 
 
 def _shapes_key(args) -> tuple:
