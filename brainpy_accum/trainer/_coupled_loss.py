@@ -233,8 +233,8 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
   values of now: the :class:`RunningCheck`, whose ``finish(report=True)`` waits for it and warns. XLA compiles
-  and runs the check while fit goes on (the planner's search, or the first train step's tracing, compilation and
-  run), and the check's result does not depend on what those steps change. No thread outlives the
+  and runs the check while fit goes on (the planner's search, or the first train steps, dispatched before the
+  check is traced), and the check's result does not depend on what those steps change. No thread outlives the
   call of ``finish``.
 
   Where the loss has undeclared scalar metrics or stitched ones, the train step must know how they combine
@@ -430,8 +430,8 @@ class FirstBatchCheck:
     per trainer), as a :class:`PendingCheck` to start (or :data:`NO_CHECK`: nothing to check).
 
     A model that fails on a micro-batch raises now (the error that names the fix). ``start()`` checks the loss
-    on the values the Variables hold then (fit starts it before the first step is traced, so that XLA compiles the
-    check while the step is traced and compiled; nothing the check computes depends on those values). With
+    on the values the Variables hold then (fit starts it once the first step is dispatched, so that the check's
+    tracing overlaps the step's run; nothing the check computes depends on those values). With
     ``loss_has_aux`` it has started already (how undeclared metrics combine shapes the train step, so it is
     found first; where it is found only after planning compiled a step, that step is traced again).
     ``before_planning`` (``num_micro_batch='auto'``, a batch not planned yet): cut in two, so that it can start

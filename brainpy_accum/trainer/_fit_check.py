@@ -55,8 +55,8 @@ NO_CHECK = PendingCheck(None, ())  # nothing to check: every method does nothing
 
 class FitCheck:
   """The first-batch check as one :meth:`fit` call meets it: at most one :class:`PendingCheck`, started beside
-  the planner's search (:meth:`planning`) or before the first step is traced (:meth:`stepping`), finished after
-  the step it accompanies (or the next), at a report or at the pass's end (:meth:`finish`).
+  the planner's search (:meth:`planning`) or once the first step is dispatched (:meth:`stepping`), finished after
+  the step it accompanies, at a report or at the pass's end (:meth:`finish`).
 
   Parameters
   ----------
@@ -93,12 +93,10 @@ class FitCheck:
   @contextlib.contextmanager
   def stepping(self, phase: str, inputs, targets, piece: Optional[ContextManager] = None):
     """Around a training step (and whatever the loop dispatches with it): a check not pending yet is made for
-    this batch (for the first piece of a streamed batch in ``piece``: the context its check is made in, the model
-    state of ``inputs, targets``; ``contextlib.nullcontext()`` where they are the piece's own) and started before
-    the step, so that XLA compiles it on its thread while this one traces and compiles the step. A check started
-    before an earlier step (beside the planner's search, or with the piece) gives its warnings after this step;
-    one started here, after the next step or at the pass's end, so that it also runs beside this step's run. If
-    the step raises, the check is waited for without its report."""
+    this batch and, for the first piece of a streamed batch (``piece``: the context its check is made in, the
+    model state of ``inputs, targets``; ``contextlib.nullcontext()`` where they are the piece's own), started
+    before it; after the step, one started before gives its warnings, else it is traced now, beside the step just
+    dispatched. If the step raises, the check is waited for without its report."""
     if phase != 'fit':
       yield
       return
@@ -108,12 +106,12 @@ class FitCheck:
         self.pending = self.owner.pending(self.shared_args, inputs, targets, streamed=streamed)
         if streamed:
           self.pending.start()
-    started_before = self.pending.started
-    self.pending.start()
+    if streamed:
+      self.pending.start()
     with self.pending.around_step(report=False):
       yield
-    if started_before:
-      self.pending.finish()
+    self.pending.finish()
+    self.pending.start()
 
   def finish(self, report: bool = True) -> None:
     """Wait for the check and give its warnings (``report=False``: only wait)."""
