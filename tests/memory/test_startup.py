@@ -336,3 +336,15 @@ def test_whole_first_a_batch_that_fits_is_compiled_once_and_one_that_does_not_pl
   else:  # the same candidates, measured alike (which wins is timed)
     weighed = lambda trainer: [c[:4] for c in trainer.planner.weighed_plans[SIZE]]  # noqa: E731
     assert weighed(tight) == weighed(planned)
+
+
+def test_whole_first_plans_pieces_sent_ahead_and_trains_as_the_fixed_plan(data):
+  """A TPU's path, forced on the CPU: the batch sent ahead streams in pieces of one micro-batch, each piece's step
+  compiled for training first; the run trains as the fixed plan of the pieces' size."""
+  batches, budget, _ = data
+  model = _model()
+  trainer = _trainer(model, num_micro_batch='auto', memory_budget=budget, cache=False)
+  with overlapping(True), whole_first(True):
+    trainer.fit(batches, num_epoch=1)
+  assert SIZE in trainer.stream_chunks
+  assert_trees_close(params_of(model), _fit_fixed(trainer.plan_for(SIZE).micro_batch_size, batches))
