@@ -51,11 +51,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..diagnostics._phases import record_phases
 from ..memory import compiled_step_bytes, parse_memory
 from ..trainer import AccumBPTT
 from ..trainer._feed import overlapping, prefetch_bytes
 from .report import AHEAD, DEVICE, WITH_STEP, device_report, plot_device
 from .measure import time_in_rounds
+from .streaming import measure_host_copy
 from .measure import FIT, LEARNING_RATE, Step, loss_of, plain_jax_step
 from .workloads import Shape, jax_params, make_batch, make_brainpy_model
 
@@ -222,17 +224,20 @@ def _divisor_at_least(batch: int, n: int) -> int:
 
 
 def _first_epoch(build: Callable[[], _Trainer], batches: List[tuple], row: dict) -> Optional[_Trainer]:
-  """Build a fresh trainer and run its first epoch, timed; ``None`` (and why, in ``row``) where it fails."""
+  """Build a fresh trainer and run its first epoch, timed, by phase (:mod:`~brainpy_accum.diagnostics._phases`:
+  ``row['first_fit_phases']``); ``None`` (and why, in ``row``) where it fails."""
   start = time.perf_counter()
   try:
-    trainer = build()
-    trainer.epoch(batches)
+    with record_phases() as phases:
+      trainer = build()
+      trainer.epoch(batches)
   except Exception as error:  # noqa: BLE001 -- a trainer that cannot run this batch is a finding, not a crash
     refusal = memory_refusal(error)
     row['fits'] = False if refusal else None
     row['error'] = refusal or f'{type(error).__name__}: {" ".join(str(error).split())[:300]}'
     return None
   row['first_epoch_s'] = time.perf_counter() - start
+  row['first_fit_phases'] = phases.table()
   row['fits'] = True
   return trainer
 
@@ -412,8 +417,9 @@ def _merged(before: Optional[dict], run: dict) -> dict:
   rows = sorted(kept + run['rows'], key=lambda row: (row['workload'], row['batch']))
   commands = before.get('commands', [before['facts']['command']])
   commands += [] if commands[-1] == run['facts']['command'] else [run['facts']['command']]  # (written per batch size)
-  return dict(run, rows=rows, batches=sorted({row['batch'] for row in rows}), notes=before.get('notes', []),
-              commands=commands)
+  kept_extras = {k: before[k] for k in ('holds', 'host_copy') if k in before and k not in run}
+  return dict(run, **kept_extras, rows=rows, batches=sorted({row['batch'] for row in rows}),
+              notes=before.get('notes', []), commands=commands)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -430,6 +436,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                                                      f"{CPU['budget']} on a CPU)")
   parser.add_argument('--holds', type=int, default=None, metavar='BATCH',
                       help='also train a batch of BATCH after planning it, with 60%% and 30%% of the device held')
+  parser.add_argument('--host-copy', nargs='+', type=float, default=None, metavar='GB',
+                      help="plain JAX: a piece's copy to the device out of host arrays of these sizes in GB, each "
+                           'way of bench.streaming.COPY_WAYS, touched and untouched slices (trainers: with --batches)')
+  parser.add_argument('--piece-mb', type=float, default=512, help='the piece --host-copy copies, in MB (default 512)')
   parser.add_argument('--out', default='docs', help='folder for accelerator.json, .md and .png')
   args = parser.parse_args(argv)
   accelerator = jax.default_backend() != 'cpu'
@@ -439,11 +449,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   os.makedirs(args.out, exist_ok=True)
   shape = preset['shape']
   workloads = args.workloads or list(preset['workloads'])
-  holds = None if args.holds is None else measure_holds(workloads[0], shape._replace(batch=args.holds))
-  write = functools.partial(_write, args.out, facts, budget, holds)
+  extras = {'holds': None if args.holds is None else measure_holds(workloads[0], shape._replace(batch=args.holds)),
+            'host_copy': None if args.host_copy is None else measure_host_copy(args.host_copy, args.piece_mb)}
+  write = functools.partial(_write, args.out, facts, budget, {k: v for k, v in extras.items() if v is not None})
   epoch, rounds = args.epoch or preset['epoch'], args.rounds or preset['rounds']
   settings = {'shape': list(shape), 'epoch': epoch, 'rounds': rounds, 'budget': budget}
-  run = measure_device(workloads, shape, args.batches or preset['batches'], epoch, rounds,
+  batches = args.batches or ([] if args.host_copy else preset['batches'])
+  run = measure_device(workloads, shape, batches, epoch, rounds,
                        None if budget is None else parse_memory(budget), preset.get('peak_size'), done_batch=write,
                        bptt_refused=stored_refusals(args.out, facts, settings))
   return write(run)
@@ -467,11 +479,10 @@ def stored_refusals(out: str, facts: dict, settings: dict) -> Dict[str, int]:
   return refused
 
 
-def _write(out: str, facts: dict, budget, holds: Optional[List[dict]], run: dict) -> dict:
-  """accelerator.json (this device's run merged with what it holds), .md and .png."""
-  run = dict(run, budget=budget, facts=facts)
-  if holds is not None:
-    run['holds'] = holds
+def _write(out: str, facts: dict, budget, extras: dict, run: dict) -> dict:
+  """accelerator.json (this device's run, with ``extras``: holds, host copies, merged with what it holds), .md
+  and .png."""
+  run = dict(run, budget=budget, facts=facts, **extras)
   stored = os.path.join(out, 'accelerator.json')
   data = {'runs': {}}
   if os.path.exists(stored):

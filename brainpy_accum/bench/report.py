@@ -297,6 +297,7 @@ def _run_section(facts: dict, run: dict) -> List[str]:
     out += [f"- {h['held_share']:.0%} held: {h['seconds']:.1f} s, "
             + (f"plan {h['plan']}" if h['error'] is None else f"error {h['error']}") for h in run['holds']]
     out.append('')
+  out += _host_copy_table(run['host_copy']) if run.get('host_copy') else []
   if run.get('notes'):  # measured on the same device beside the benchmark (kept in accelerator.json)
     out += ['### Measured beside it', ''] + [f'- {note}' for note in run['notes']] + ['']
   return out
@@ -318,6 +319,7 @@ def _workload_table(workload: str, rows: List[dict], peak: dict, fit_gives: str)
                f"{_speed(r, AHEAD)} | {_speed(r, WITH_STEP)} | {_speed(r, DEVICE)} | "
                f"{_fmt_flops(achieved)} | "
                f"{'-' if achieved is None else f'{achieved / max(peak.values()):.0%}'} |")
+  out += _startup_table(rows)
   out += ['', 'Ratios of samples/s:', '']
   best = max((r['samples_per_s'].get(DEVICE, 0) for r in rows if r['trainer'] == 'bp.BPTT'), default=0)
   if best:
@@ -343,6 +345,50 @@ def _workload_table(workload: str, rows: List[dict], peak: dict, fit_gives: str)
   return out + ['']
 
 
+STARTUP_PHASES = (('planning probes', 'probes'), ('planned step compiles', 'planned step compiles'),
+                  ('trial runs', 'trial runs'), ('planning (other)', 'planning, other'),
+                  ('first-batch check', 'first-batch check (waited for)'), ('step compile', 'step compile'),
+                  ('runs and the rest', 'runs and the rest'), ('beside', 'beside (its own thread)'))
+
+
+def _host_copy_table(copies: List[dict]) -> List[str]:
+  """GB/s of a piece's copy to the device out of host arrays, by way and slices (``--host-copy``)."""
+  piece = copies[0]['piece_bytes'] / 2 ** 20
+  out = ['### A piece copied to the device out of a host array (plain JAX)', '',
+         f'`--host-copy`: a piece of {piece:.0f} MiB out of float32 host arrays; GB/s, the median of copies of '
+         'different slices; "untouched": pages never written since the array was made, "touched": written just '
+         'before the copy.', '', '| host array | way | untouched GB/s | touched GB/s |', '|---|---|---|---|']
+  cells = {(c['host_gb'], c['way'], c['slices']): c for c in copies}
+  for gb, way in dict.fromkeys((c['host_gb'], c['way']) for c in copies):
+    out.append(f"| {gb:g} GB | {way} | {_rate(cells[gb, way, 'untouched'])} | {_rate(cells[gb, way, 'touched'])} |")
+  return out + ['']
+
+
+def _rate(copy: dict) -> str:
+  return copy['error'][:60] if copy.get('error') else f"{copy['gb_per_s']:.2f}"
+
+
+def _startup_table(rows: List[dict]) -> List[str]:
+  """The first epoch by phase (:mod:`~brainpy_accum.diagnostics._phases`), AccumBPTT's against bp.BPTT's at the
+  same batch, or at bp.BPTT's largest batch that fits where it does not fit (marked ``*``)."""
+  timed = [r for r in rows if r.get('first_fit_phases')]
+  if not timed:
+    return []
+  out = ['', 'Start-up, the first epoch by phase (seconds on the thread that calls `fit`; XLA compilations in '
+         'brackets; "beside": the first-batch check compiling and running on its own thread, not waited for):', '',
+         '| batch | trainer | first epoch s | / bp.BPTT | ' + ' | '.join(label for _, label in STARTUP_PHASES) + ' |',
+         '|---|---|---|---|' + '---|' * len(STARTUP_PHASES)]
+  bptt = {r['batch']: r for r in timed if r['trainer'] == 'bp.BPTT'}
+  for r in timed:
+    base = bptt.get(r['batch']) or (bptt[max(bptt)] if bptt and r['batch'] > max(bptt) else None)
+    ratio = '-' if base is None else f"{r['first_epoch_s'] / base['first_epoch_s']:.2f}" + (
+      '' if base['batch'] == r['batch'] else f" * (at {base['batch']})")
+    cells = [f"{p['seconds']:.2f} ({p['compilations']})" if p['seconds'] or p['compilations'] else '-'
+             for p in (r['first_fit_phases'][name] for name, _ in STARTUP_PHASES)]
+    out.append(f"| {r['batch']} | {r['trainer']} | {r['first_epoch_s']:.2f} | {ratio} | " + ' | '.join(cells) + ' |')
+  return out
+
+
 HEADER = '''# On a GPU or TPU
 
 Made by `python -m brainpy_accum.bench --parts device` (or `python -m brainpy_accum.bench.accelerator`): on an
@@ -365,6 +411,15 @@ each a subset of the batch sizes that adds its rows to `accelerator.json` (same 
 2048 4096 8192` then `--batches 16384 32768` then `--batches 65536` (with `--holds 4096` in any one of them).
 bp.BPTT's reference is measured once: a call above the batch whose bp.BPTT step an earlier call found too large
 does not compile it again.
+
+The first epoch is also given by phase (`brainpy_accum.diagnostics._phases`): the planner's quick probes, its
+compilations for training (the kept one is the step's own compilation), trial steps, other planning, the wait for
+the first-batch check, the steps' compilations outside planning, and the runs with the rest (transfers, the loop);
+"beside" is the check compiling on its own thread. AccumBPTT's first epoch is set against bp.BPTT's at the same
+batch, or, where bp.BPTT does not fit, at its largest batch that does (marked `*`). `--host-copy 4 8 16` measures,
+in plain JAX, a piece's copy to the device out of host arrays of those sizes (GB): directly, from 4 threads,
+staged in a reused or a fresh host buffer, and through JAX's `pinned_host` memory, from slices written just
+before and from pages never touched since the array was made.
 
 The ratios against bp.BPTT's best speed on device batches are the issue's measure. `--holds BATCH` also trains
 one batch after planning it with 60% and 30% of the device held by an array. FLOP/s count the matmuls:

@@ -9,12 +9,16 @@ Three figures for one workload and budget, all from XLA's compile-time memory an
    times the budget, cut on the host into chunks whose step fits; two updates on it, compared with
    ``bp.BPTT`` on the whole batch (which this CPU machine can still run). Random data: this checks the
    steps, not learning.
+
+:func:`measure_host_copy` (``python -m brainpy_accum.bench.accelerator --host-copy 4 8 16``) measures, in plain
+JAX, a piece's copy to the device out of host arrays of several sizes: the limit that streamed pieces meet.
 """
 
 import argparse
 import os
 import time
-from typing import Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Sequence
 
 import brainpy as bp
 import jax
@@ -24,6 +28,8 @@ from ..memory import format_memory, parse_memory
 from ..trainer import AccumBPTT
 from .measure import largest_batch_within
 from .workloads import Shape, make_batch, make_brainpy_model
+
+__all__ = ['COPY_WAYS', 'measure_host_copy', 'stream_check', 'streaming_section', 'main']
 
 SHAPE = Shape(batch=64, time=100, hidden=128, inputs=64)
 
@@ -83,6 +89,76 @@ def streaming_section(workload: str = 'rnn', shape: Shape = SHAPE, budget: int =
     f'(relative L2), its losses by {streamed["loss_error"]:.1e}; {streamed["seconds"]:.0f} s including '
     f'planning and compilation.']
   return '\n'.join(lines)
+
+
+# How a piece is copied out of a host array (:func:`measure_host_copy`): (name, staging, threads)
+COPY_WAYS = (('direct, one thread', None, 1), ('direct, 4 threads', None, 4),
+             ('staged in a reused host buffer', 'reused', 1), ('staged in a fresh host buffer', 'fresh', 1),
+             ('pinned host buffer, then the device', 'pinned', 1))
+
+
+def _copy_piece(piece: np.ndarray, staging: Optional[str], threads: int, reused: np.ndarray, device) -> None:
+  """One piece to the device, in one way of :data:`COPY_WAYS`, waited for."""
+  if staging == 'reused':
+    np.copyto(reused, piece)
+    piece = reused
+  elif staging == 'fresh':
+    piece = np.array(piece)
+  elif staging == 'pinned':  # JAX's pinned host memory, then the device's (where the device offers the kind)
+    pinned = jax.device_put(piece, jax.sharding.SingleDeviceSharding(device, memory_kind='pinned_host'))
+    jax.block_until_ready(jax.device_put(pinned, jax.sharding.SingleDeviceSharding(device)))
+    return
+  if threads == 1:
+    jax.block_until_ready(jax.device_put(piece, device))
+    return
+  parts = np.array_split(piece, threads)
+  with ThreadPoolExecutor(threads) as pool:
+    jax.block_until_ready(list(pool.map(lambda part: jax.device_put(part, device), parts)))
+
+
+def measure_host_copy(host_gb: Sequence[float] = (4, 8, 16), piece_mb: float = 512, repeats: int = 5,
+                      quiet: bool = False) -> List[dict]:
+  """Plain JAX: a piece of ``piece_mb`` MB copied to the default device out of a float32 host array of each of
+  ``host_gb`` GB, in each way of :data:`COPY_WAYS`, from slices touched (written just before) and untouched
+  (pages never written since the array was made: the copy faults them in); the median of ``repeats`` copies,
+  each of another slice. A row per (host size, way, slices): ``seconds`` and ``gb_per_s`` (or ``error``),
+  each also printed unless ``quiet``.
+
+  Examples
+  --------
+  >>> rows = measure_host_copy(host_gb=(0.0005,), piece_mb=0.05, repeats=1, quiet=True)
+  >>> sorted({row['slices'] for row in rows}), all(row['gb_per_s'] > 0 for row in rows)
+  (['touched', 'untouched'], True)
+  """
+  device, rows = jax.devices()[0], []
+  for gb in host_gb:
+    host = np.zeros((int(gb * 2 ** 30) // 4,), np.float32)  # zero pages, mapped when first touched
+    size = min(int(piece_mb * 2 ** 20) // 4, host.size // 2)
+    reused = np.empty((size,), np.float32)
+    starts = iter(range(0, host.size - size + 1, size))  # each copy from a slice not copied before
+    for slices in ('untouched', 'touched'):
+      for name, staging, threads in COPY_WAYS:
+        times, error = [], None
+        for _ in range(repeats):
+          start = next(starts, 0)
+          piece = host[start:start + size]
+          if slices == 'touched':
+            piece.fill(1.)
+          began = time.perf_counter()
+          try:
+            _copy_piece(piece, staging, threads, reused, device)
+          except Exception as failure:  # noqa: BLE001 -- a way the device does not offer is a finding
+            error = f'{type(failure).__name__}: {str(failure)[:200]}'
+            break
+          times.append(time.perf_counter() - began)
+        seconds = float(np.median(times)) if times else None
+        rows.append({'host_gb': gb, 'piece_bytes': size * 4, 'way': name, 'slices': slices, 'seconds': seconds,
+                     'gb_per_s': None if seconds is None else size * 4 / seconds / 1e9, 'error': error})
+        if not quiet:
+          print(f"host copy: {gb} GB array, piece {size * 4 / 2 ** 20:.0f} MiB, {slices}, {name}: "
+              + (error or f"{seconds * 1e3:.1f} ms, {rows[-1]['gb_per_s']:.2f} GB/s"), flush=True)
+    del host, reused
+  return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:

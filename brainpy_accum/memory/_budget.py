@@ -9,6 +9,7 @@ whose compiled step fits the budget. The memory of a compiled step is
 then compiled as training runs it, and must fit by that compilation's measure too (:func:`fewest_fitting`).
 """
 
+import contextlib
 import math
 import re
 from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -22,7 +23,8 @@ from ..core._cut import is_int, plan_micro_batches
 
 __all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes', 'state_bytes',
            'largest_fitting', 'choose_micro_batch_size', 'fewest_fitting', 'StepMemory', 'PlannedStep', 'memory_parts',
-           'step_memory', 'argument_bytes', 'fixed_bytes_at_least', 'plural', 'TooSmall']
+           'step_memory', 'argument_bytes', 'fixed_bytes_at_least', 'plural', 'TooSmall', 'compiles_whole_first',
+           'whole_first']
 
 _UNITS = {'': 1, 'B': 1, 'KB': 10 ** 3, 'MB': 10 ** 6, 'GB': 10 ** 9, 'TB': 10 ** 12,
           'KIB': 2 ** 10, 'MIB': 2 ** 20, 'GIB': 2 ** 30, 'TIB': 2 ** 40}
@@ -326,6 +328,38 @@ def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int
   return found
 
 
+_WHOLE_FIRST: List[Optional[bool]] = [None]
+
+
+def compiles_whole_first() -> bool:
+  """Whether the planner's search compiles its first candidate, a batch in one micro-batch, for training rather
+  than quickly: as :func:`whole_first` says, else on a TPU. Where that step fits, it is the plan, compiled once
+  (a quick probe and then a second compilation for training cost two); where it does not, XLA:TPU refuses it
+  at buffer assignment, as early as a quick probe measures it. A CPU or GPU compiles a program that does not
+  fit to the end, which costs more than the quick probe (on the 2-core CPU: 1.07 s against 0.64 s at batch
+  256 of the start-up bench's rate RNN)."""
+  return jax.default_backend() == 'tpu' if _WHOLE_FIRST[0] is None else _WHOLE_FIRST[0]
+
+
+@contextlib.contextmanager
+def whole_first(enabled: Optional[bool]):
+  """Within the ``with``, the planner compiles a batch in one micro-batch for training first (``True``, also on
+  a CPU: for the tests), or probes it quickly (``False``); ``None``: by the device (:func:`compiles_whole_first`).
+
+  Examples
+  --------
+  >>> from brainpy_accum.memory._budget import compiles_whole_first, whole_first
+  >>> with whole_first(True):
+  ...   compiles_whole_first()
+  True
+  """
+  before, _WHOLE_FIRST[0] = _WHOLE_FIRST[0], enabled
+  try:
+    yield
+  finally:
+    _WHOLE_FIRST[0] = before
+
+
 def fewest_fitting(share: int, budget: int, compilers, batch: tuple, via_window: bool
                    ) -> Tuple[int, int, Optional[PlannedStep]]:
   """``(micro_batch_size, bytes, compiled step or None)``: the fewest micro-batches of a share of ``share`` samples
@@ -334,16 +368,23 @@ def fewest_fitting(share: int, budget: int, compilers, batch: tuple, via_window:
 
   Sizes the search predicts to be the answer are compiled as training runs them (when fit can run that
   executable), the others quickly; an answer measured quickly is compiled for training afterwards, and
-  its memory must fit too, else the search goes on below it.
+  its memory must fit too, else the search goes on below it. Where :func:`compiles_whole_first`, the first
+  probe, the share in one micro-batch, is compiled for training: where it fits, that is the plan, and its one
+  compilation is training's.
   """
   plan_of = lambda size: plan_micro_batches(share, micro_batch_size=size)
   keepable, kept = compilers.keepable(via_window), {}
+  if keepable and compiles_whole_first():  # the search's first probe, compiled for training
+    kept[share] = compilers.trial(plan_of(share), *batch, via_window)
+    if kept[share].memory.total <= budget:
+      return share, kept[share].memory.total, kept[share]
 
   def probe(size):
-    return compilers.step_bytes(plan_of(size), *batch, via_window)
+    return kept[size].memory if size in kept else compilers.step_bytes(plan_of(size), *batch, via_window)
 
   def compile_for_training(size):
-    kept[size] = compilers.trial(plan_of(size), *batch, via_window)
+    if size not in kept:
+      kept[size] = compilers.trial(plan_of(size), *batch, via_window)
     return kept[size].memory
 
   guess = None if compilers.guess(plan_of(share)) is None else (lambda size: compilers.guess(plan_of(size)))

@@ -22,8 +22,9 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, 
 from tqdm import tqdm
 
 from ..core._cut import describe_remat, plan_micro_batches
+from ..diagnostics._phases import phase
 from ._budget import (PlannedStep, StepMemory, TooSmall, memory_parts, candidate_micro_batch_sizes, format_memory,
-                      largest_fitting)
+                      compiles_whole_first, largest_fitting)
 
 __all__ = ['Candidate', 'REMAT_OPTIONS', 'choose_fastest_plan', 'fastest_fitting', 'time_steps', 'describe_choice']
 
@@ -135,7 +136,8 @@ def fastest_fitting(share: int, budget: int, compilers, batch: tuple, via_window
   win, since a finer cut of the same remat does the same work in more, smaller sequential steps. The
   search compiles the sizes it predicts to be the answer as training runs them, so the candidates timed are
   already compiled, their compilation's memory is the figure that must fit, and training runs the winner's
-  executable. ``step_time(plans) -> seconds`` replaces the trial steps (timing by a model).
+  executable (where :func:`~brainpy_accum.memory._budget.compiles_whole_first`, the first probe, the share in one
+  micro-batch without remat, too). ``step_time(plans) -> seconds`` replaces the trial steps (timing by a model).
   """
   compiled = {}
   plan_of = lambda size, remat: plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
@@ -145,7 +147,13 @@ def fastest_fitting(share: int, budget: int, compilers, batch: tuple, via_window
       compiled[size, remat] = compilers.trial(plan_of(size, remat), *batch, via_window)
     return compiled[size, remat]
 
-  probe = lambda size, remat: compilers.step_bytes(plan_of(size, remat), *batch, via_window)
+  if compilers.keepable(via_window) and compiles_whole_first():  # the first probe compiled for training
+    compile_(share, False)
+
+  def probe(size, remat):
+    if (size, remat) in compiled:
+      return compiled[size, remat].memory
+    return compilers.step_bytes(plan_of(size, remat), *batch, via_window)
   timed = functools.partial(_timed, budget, compilers, step_time, plan_of, compile_)
   guess = None if compilers.guess(plan_of(share, False)) is None else (
     lambda size, remat: compilers.guess(plan_of(size, remat)))
@@ -178,7 +186,8 @@ def _timed(budget: int, compilers, step_time: Optional[Callable], plan_of: Calla
   compilers.before_timing()
   # two interleaved runs each, the faster kept: the first run of a new executable is the slow one (about
   # 20% on CPU), so this is the second's time, for one run less per candidate than a warm-up and two rounds
-  seconds = iter(time_steps([step.run for step in fitting], rounds=2, warm_up=False, estimate=min))
+  with phase('trial runs'):
+    seconds = iter(time_steps([step.run for step in fitting], rounds=2, warm_up=False, estimate=min))
   return [next(seconds) if step.memory.total <= budget else float('inf') for step in steps]
 
 

@@ -31,6 +31,7 @@ from ..core._states import whole_batch_variables
 from ..core._two_pass import Devices, two_pass_sums
 from ..core._written import WriteEvidence, WriteReport
 from ..diagnostics._compiles import QUICK_COMPILE
+from ..diagnostics._phases import phase
 from ..memory._budget import PlannedStep, StepMemory, step_memory
 from ..memory._live import temp_bytes_at_least
 from ..memory._planner import Compilers
@@ -377,7 +378,8 @@ class CompiledSteps:
 
   def _probe(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
     """The planner's quick probe: the step's memory, compiled without optimising its code."""
-    return step_memory(self.compile(inputs, targets, shared_args, plan=plan, via_window=via_window, quick=True))
+    with phase('planning probes'):
+      return step_memory(self.compile(inputs, targets, shared_args, plan=plan, via_window=via_window, quick=True))
 
   def _bytes_at_least(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
     """A lower bound of the step's memory for ``plan``, from its trace alone (no compilation): the fixed bytes
@@ -387,7 +389,7 @@ class CompiledSteps:
     its trace counts 3.6 MB of stacked residuals), so there every candidate is compiled."""
     if self.options.mesh is not None or jax.default_backend() != 'cpu':
       return 0
-    with self.for_plan(plan, (shared_args, inputs, targets), via_window=via_window) as step:
+    with phase('planning probes'), self.for_plan(plan, (shared_args, inputs, targets), via_window=via_window) as step:
       jaxpr = step.stateful_fun.get_jaxpr(fit_args(shared_args), inputs, targets)
     return self.parts.fixed_bytes(inputs, targets) + temp_bytes_at_least(jaxpr)
 
@@ -411,7 +413,8 @@ class CompiledSteps:
       return self.train(shared_args, inputs, targets, plan=plan, via_window=via_window, streamed=via_window)
 
     step = bm.jit(traced, static_argnums=(0,))
-    with self.parts.quiet(), self.parts.tracing(plan), brainstate.environ.context(fit=True):
+    with phase('planned step compiles'), self.parts.quiet(), self.parts.tracing(plan), \
+         brainstate.environ.context(fit=True):
       compiled = step.compile(shared_args, inputs, targets)  # the jit's own call runs this executable
       values = step.stateful_fun.get_state_trace(shared_args, inputs, targets).get_state_values()
 

@@ -52,6 +52,7 @@ from ..core._metrics import AUX_REDUCTIONS, MetricsError, default_reduction, fou
 from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_batch_like
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
+from ..diagnostics._phases import phase
 from ._fit_check import NO_CHECK, PendingCheck
 from ._random_outputs import LEVELS, POINTS, CheckNames, Evidence, loss_at_random_outputs
 
@@ -202,14 +203,16 @@ class RunningCheck:
   def _run(self, lowered, values, inputs, targets) -> None:
     """Runs the check on the values given; the new values it returns are dropped: nothing changes."""
     try:
-      compiled = lowered.compile(compiler_options=QUICK_COMPILE)
-      self._done['result'] = jax.device_get(compiled(values, inputs, targets)[1])
+      with phase('first-batch check'):
+        compiled = lowered.compile(compiler_options=QUICK_COMPILE)
+        self._done['result'] = jax.device_get(compiled(values, inputs, targets)[1])
     except Exception as error:  # reported by finish(), on the caller's thread
       self._done['error'] = error
 
   def finish(self, report: bool = True) -> None:
     """Wait for the check and give its warnings (``report=False``: only wait, for a step that raised)."""
-    self._thread.join()
+    with phase('first-batch check'):
+      self._thread.join()
     if 'error' in self._done:
       if report:
         _could_not_check(self._done['error'])
@@ -440,6 +443,10 @@ class FirstBatchCheck:
     """
     if self.checked:
       return NO_CHECK
+    with phase('first-batch check'):
+      return self._pending(shared_args, inputs, targets, before_planning, streamed)
+
+  def _pending(self, shared_args, inputs, targets, before_planning: bool, streamed: bool) -> 'PendingCheck':
     layout = self.parts.check_batch(inputs, targets)
     plan = self._plan(layout.batch_size, inputs, targets, before_planning, streamed)
     if plan is None:
@@ -481,7 +488,7 @@ class FirstBatchCheck:
     """Start the check of this batch cut by ``plan`` (:func:`check_first_batch`); its :class:`RunningCheck`, or
     ``None`` where it ran already (without jit) or could not start."""
     variables = self.parts.variables()
-    with self.parts.quiet():
+    with phase('first-batch check'), self.parts.quiet():
       running = check_first_batch(self.model, shared_args, inputs, targets, check_batch=self.parts.check_batch,
                                   plan=plan, forward=self.parts.forward, loss_of=self.parts.loss_of,
                                   weigh=self.parts.weigh, variables=variables, jit=self.jit,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from ..checkpoint._resume import Interrupted, Run, StopRequest, act_on, deferred_signals
 from ..diagnostics._compiles import count_compilations
+from ..diagnostics._phases import phase
 from ..memory._oom import run_with_retry
 from ..memory._stream import StreamedStates, chunk_sizes, combine_later, host_pieces
 from ._arguments import check_carried_batch, check_carried_sizes
@@ -173,7 +174,8 @@ class FitLoop:
       if planner.recheck_budget(batch.inputs, batch.targets):  # the plans it dropped: their steps trace again
         self.view.steps.rebuild()
     cached = planner.is_cached(shared_args, batch.inputs, batch.targets)
-    with self.check.planning(one.phase, batch.inputs, batch.targets, cached), self._errors_of_the_whole_batch(batch):
+    with phase('planning (other)'), self.check.planning(one.phase, batch.inputs, batch.targets, cached), \
+         self._errors_of_the_whole_batch(batch):
       self.view.hooks.plan(batch.inputs, batch.targets, shared_args)
     streamed = planner.is_streamed(batch.size, batch.on_device)
     self.check.planned(not streamed and planner.plan_for(batch.size).num_micro_batches == 1, streamed)

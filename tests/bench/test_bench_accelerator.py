@@ -10,6 +10,7 @@ import pytest
 from brainpy_accum.bench import __main__ as bench_main
 from brainpy_accum.bench import accelerator as device
 from brainpy_accum.bench import report as device_report
+from brainpy_accum.bench import streaming
 
 REFUSAL = ('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 17.38G '
            'of 15.75G hbm. Exceeded hbm capacity by 1.63G.')
@@ -121,3 +122,36 @@ def test_calls_of_a_subset_add_their_rows_and_reuse_the_stored_bptt_refusal(tmp_
   assert rows['rnn_ce', 32, 'bp.BPTT']['error'] == device.BPTT_SKIPPED
   device.main(['--quick', '--workloads', 'rnn_ce', '--batches', '16', '--rounds', '3', '--out', str(tmp_path)])
   assert calls[-1] == (16, True)  # other settings: nothing reused
+
+
+def test_host_copy_alone_measures_every_way_from_touched_and_untouched_slices(tmp_path):
+  """``--host-copy`` without ``--batches``: plain JAX's copies only (no trainer), every way of COPY_WAYS (pinned
+  staging included: the CPU offers JAX's 'pinned_host' memory kind too), reported as a table."""
+  device.main(['--quick', '--host-copy', '0.002', '--piece-mb', '0.1', '--out', str(tmp_path)])
+  data, run, rows = _rows(tmp_path)
+  assert rows == {}
+  ways = {(c['way'], c['slices']) for c in run['host_copy']}
+  assert ways == {(way, slices) for way, _, _ in streaming.COPY_WAYS for slices in ('untouched', 'touched')}
+  assert all(c['error'] is None and c['gb_per_s'] > 0 and c['piece_bytes'] == int(0.1 * 2 ** 20) // 4 * 4
+             for c in run['host_copy'])
+  report = (tmp_path / 'accelerator.md').read_text()
+  assert '### A piece copied to the device out of a host array' in report and '| 0.002 GB | direct, 4 threads |' in report
+
+
+def _phases(**seconds):
+  from brainpy_accum.diagnostics._phases import PHASES
+  table = {name: {'seconds': seconds.get(name.split()[0], 0.), 'compile_seconds': 0., 'compilations': 0}
+           for name in PHASES + ('beside', 'total')}
+  table['total']['seconds'] = sum(seconds.values())
+  return table
+
+
+def test_startup_table_sets_each_first_epoch_against_bptts_at_the_same_batch_or_its_largest():
+  rows = [{'batch': 8, 'trainer': 'bp.BPTT', 'first_epoch_s': 2., 'first_fit_phases': _phases(step=1., runs=1.)},
+          {'batch': 8, 'trainer': 'AccumBPTT', 'first_epoch_s': 3., 'first_fit_phases': _phases(planning=1., step=2.)},
+          {'batch': 16, 'trainer': 'bp.BPTT', 'first_epoch_s': None, 'fits': False},
+          {'batch': 16, 'trainer': 'AccumBPTT', 'first_epoch_s': 5., 'first_fit_phases': _phases(runs=5.)}]
+  table = device_report._startup_table(rows)
+  assert '| 8 | AccumBPTT | 3.00 | 1.50 | 1.00 (0) |' in '\n'.join(table)
+  assert '| 16 | AccumBPTT | 5.00 | 2.50 * (at 8) |' in '\n'.join(table)
+  assert not any('| 16 | bp.BPTT' in line for line in table)

@@ -15,7 +15,8 @@ import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
-from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting
+from brainpy_accum.diagnostics._phases import PHASES, record_phases
+from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting, whole_first
 from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
 from brainpy_accum.memory._plan_key import _code
 from brainpy_accum.memory._stream import chunk_sizes
@@ -291,3 +292,59 @@ def test_rerun_with_a_cached_plan_compiles_nothing_new_the_loss_check_included(d
   requests, hits = (_CACHE_EVENTS[e] - before[e] for e in _CACHE_EVENTS)
   assert requests >= 2 and hits == requests  # the step and the check at least; nothing compiled anew
   assert_trees_close(again, first)
+
+
+def test_first_fit_phases_add_up_to_the_fit_and_hold_the_planners_compilations(data):
+  """The start-up bench's phases (:mod:`~brainpy_accum.diagnostics._phases`): the planner's quick probes and its
+  compilation for training are where they happen, nothing is counted twice (the phases on the fit's thread add up
+  to the whole span), and no compilation is lost."""
+  batches, budget, _ = data
+  trainer = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
+  with record_phases() as recorded, count_compilations() as compiled:
+    trainer.fit(batches, num_epoch=1)
+  table = recorded.table()
+  assert table['planning probes']['compilations'] >= 1 and table['planned step compiles']['compilations'] >= 1
+  assert table['trial runs']['seconds'] == 0  # (remat=False: no trial steps)
+  assert sum(table[name]['seconds'] for name in PHASES) == pytest.approx(table['total']['seconds'], abs=1e-6)
+  assert table['total']['compilations'] >= compiled()  # (the check's thread, beside, is not counted by compiled)
+
+
+@pytest.mark.parametrize('remat', [False, 'auto'])
+def test_whole_first_a_batch_that_fits_is_compiled_once_and_one_that_does_not_plans_as_before(data, remat):
+  """Where the planner compiles the batch in one micro-batch for training first (a TPU's way, forced here on the
+  CPU): a batch that fits is planned with that one compilation, no quick probe, and trains as the fixed plan of
+  one micro-batch; one that does not fit is planned as the quick probes plan it, without probing the whole batch
+  again."""
+  batches, budget, need = data
+  roomy = _trainer(num_micro_batch='auto', memory_budget='1GiB', remat=remat, cache=False)
+  probes = _recorded_probes(roomy)
+  with whole_first(True), count_compilations() as compiled:
+    roomy.fit(batches, num_epoch=1)
+  assert probes == [] and roomy.plan_for(SIZE).num_micro_batches == 1 and roomy.compilations['fit'] == 1
+  assert compiled() <= 3  # the step; (the loss check is skipped: a mean over elements), small ones
+  assert_trees_close(params_of(roomy.target), _fit_fixed(SIZE, batches))
+
+  tight = _trainer(num_micro_batch='auto', memory_budget=budget, remat=remat, cache=False)
+  probes = _recorded_probes(tight)
+  with whole_first(True):
+    tight.fit(batches, num_epoch=1)
+  planned = _trainer(num_micro_batch='auto', memory_budget=budget, remat=remat, cache=False)
+  planned.fit(batches, num_epoch=1)
+  assert all(p.micro_batch_size < SIZE or p.remat for p in probes)  # (the whole batch without remat: compiled)
+  if remat is False:
+    assert tight.plan_for(SIZE) == planned.plan_for(SIZE)
+  else:  # the same candidates, measured alike (which wins is timed)
+    weighed = lambda trainer: [c[:4] for c in trainer.planner.weighed_plans[SIZE]]  # noqa: E731
+    assert weighed(tight) == weighed(planned)
+
+
+def test_whole_first_plans_pieces_sent_ahead_and_trains_as_the_fixed_plan(data):
+  """A TPU's path, forced on the CPU: the batch sent ahead streams in pieces of one micro-batch, each piece's step
+  compiled for training first; the run trains as the fixed plan of the pieces' size."""
+  batches, budget, _ = data
+  model = _model()
+  trainer = _trainer(model, num_micro_batch='auto', memory_budget=budget, cache=False)
+  with overlapping(True), whole_first(True):
+    trainer.fit(batches, num_epoch=1)
+  assert SIZE in trainer.stream_chunks
+  assert_trees_close(params_of(model), _fit_fixed(trainer.plan_for(SIZE).micro_batch_size, batches))
