@@ -47,7 +47,8 @@ from ._states import restore_values, values_of
 from ._written import restart
 
 __all__ = ['Marked', 'Statistics', 'StatisticsError', 'applying', 'batch_mean', 'batch_sum', 'marked_statistics',
-           'seeing_statistics', 'statistic_calls', 'statistic_term', 'statistic_term_of_args', 'statistics_pass', 'with_statistics']
+           'seeing_statistics', 'statistic_calls', 'statistic_term', 'statistic_term_of_args', 'statistics_pass',
+           'with_statistics']
 
 
 class StatisticsError(ValueError):

@@ -13,9 +13,9 @@ device in pieces (chunks) of one micro-batch each, each sent while the one befor
 batch size.
 
 These are the pieces of that path: which chunk sizes to try, slicing the batch, the model state of each chunk
-(:class:`StreamedStates`), the batch statistics a loss marks (:class:`StreamedStatistics`), and combining the chunks' losses and metrics into the batch's, as
-:class:`brainpy.BPTT` would report them, when they are read (:func:`combine_later`): no batch end waits for the
-device.
+(:class:`StreamedStates`), the batch statistics a loss marks (:class:`StreamedStatistics`), and combining the
+chunks' losses and metrics into the batch's, as :class:`brainpy.BPTT` would report them, when they are read
+(:func:`combine_later`): no batch end waits for the device.
 """
 
 import contextlib
@@ -35,8 +35,8 @@ from ..core._states import (all_samples, batched_variables, declared_batch_axes,
                             values_restored)
 from ._budget import candidate_micro_batch_sizes
 
-__all__ = ['StreamedStates', 'StreamedStatistics', 'best_chunk', 'chunk_candidates', 'chunk_sizes', 'chunk_starts', 'combine',
-           'combine_later', 'host_chunk', 'host_pieces', 'likely_chunk']
+__all__ = ['StreamedStates', 'StreamedStatistics', 'best_chunk', 'chunk_candidates', 'chunk_sizes', 'chunk_starts',
+           'combine', 'combine_later', 'host_chunk', 'host_pieces', 'likely_chunk']
 
 
 def chunk_candidates(batch_size: int) -> List[int]:

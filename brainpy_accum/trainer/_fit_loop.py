@@ -218,10 +218,9 @@ class FitLoop:
                          chunk_sizes(batch.size, self.view.planner.stream_chunks[batch.size]))
 
   def _statistics_of_pieces(self, batch: Batch, pieces: list, states: StreamedStates) -> None:
-    """Where ``loss_fun`` marks batch statistics (:func:`~brainpy_accum.batch_mean`), their pass over every piece
-    of a streamed batch before the pieces' steps, which read the whole batch's
-    (:class:`~brainpy_accum.memory._stream.StreamedStatistics`): each piece forward (no gradient, its model state
-    put back), so the data crosses to the device twice."""
+    """Where ``loss_fun`` marks batch statistics, their pass over every piece of a streamed batch before the
+    pieces' steps read the whole batch's (:class:`~brainpy_accum.memory._stream.StreamedStatistics`): each piece
+    forward, no gradient, its model state put back (its data crosses to the device twice)."""
     shared_args, store = self.options.shared_args, None
     for start, size, piece in {size: (start, size, piece) for start, size, piece in pieces}.values():
       states.enter(start, size)  # (one piece of each shape, traced on the host in its model state: nothing runs)
@@ -267,10 +266,8 @@ class FitLoop:
   def _kind(self, phase: str, update: bool, streamed: bool = False) -> str:
     """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or on a mesh the
     ``accumulate_steps`` window's update), ``'collect'`` (on a mesh: into the window, no update), ``'close'``
-    (every step through the window without a mesh, an ``accumulate_steps`` batch's: the window's ``closes``
-    flag, set around it by :meth:`_closing`, says whether it updates; one program for both), and a streamed
-    piece's (streaming runs without a mesh): ``'piece'`` (``'close'``'s, its loss seeing the batch statistics
-    of the whole batch) and ``'piece-loss'`` (evaluation)."""
+    (through the window without a mesh: its ``closes`` flag, set by :meth:`_closing`, says whether it updates),
+    a streamed piece's ``'piece'`` (``'close'`` seeing the whole batch's statistics) and ``'piece-loss'``."""
     if streamed:
       return 'piece' if phase == 'fit' else 'piece-loss'
     if phase != 'fit':
@@ -281,8 +278,8 @@ class FitLoop:
 
   @contextlib.contextmanager
   def _closing(self, collect_only: bool):
-    """Run a ``'close'`` (``'piece'``) step without the update (``collect_only``): the window's ``closes`` flag, an argument
-    of the step, is False inside and True again after."""
+    """Run a ``'close'`` (``'piece'``) step without the update (``collect_only``): the window's ``closes`` flag,
+    an argument of the step, is False inside and True again after."""
     if not collect_only:
       yield
       return

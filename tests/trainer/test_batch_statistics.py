@@ -239,7 +239,8 @@ def test_the_step_keeps_the_statistics_not_the_whole_batch_outputs():
   for batch in (64, 256):
     x, y = make_batches([batch], num_time=20)[0]
     sizes = {}
-    for name, loss, options in (('statistics', rate_regularised, {}), ('whole', fixed_rate, {'whole_batch_loss': True})):
+    for name, loss, options in (('statistics', rate_regularised, {}),
+                                ('whole', fixed_rate, {'whole_batch_loss': True})):
       model = make_model('snn', n_hidden=64)
       trainer = AccumBPTT(model, loss, optimizer=bp.optim.Adam(lr=0.01), loss_has_aux=True, progress_bar=False,
                           monitors={'spike': model.lif.spike}, num_micro_batch=4, **options)
