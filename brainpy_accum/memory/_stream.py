@@ -288,16 +288,14 @@ class StreamedStatistics:
     # holds it once, so the later chunks take it away from every micro-batch's loss)
     self.counted = bm.Variable(jnp.zeros((), jnp.float32))
 
-  def start(self) -> None:
-    """Empty, for a new batch."""
-    for var in (*self.totals, *self.counts, self.weight, self.counted):
-      var.value = jnp.zeros_like(var.value)
-
-  def add(self, found: Tuple[Sequence, Sequence, Any]) -> None:
-    """Add one chunk's ``(totals, counts, weight)``, its statistics' sums over its samples (on the device)."""
+  def add(self, found: Tuple[Sequence, Sequence, Any], first: bool = False) -> None:
+    """Add one chunk's ``(totals, counts, weight)``, its statistics' sums over its samples (on the device);
+    ``first``: the batch's first chunk, whose sums replace what the store held."""
     totals, counts, weight = found
     for var, value in zip((*self.totals, *self.counts, self.weight), (*totals, *counts, weight)):
-      var.value = var.value + jnp.asarray(value, var.dtype)
+      var.value = jnp.asarray(value, var.dtype) if first else var.value + jnp.asarray(value, var.dtype)
+    if first:
+      self.counted.value = jnp.zeros_like(self.counted.value)
 
   def statistics(self) -> Statistics:
     """The whole batch's statistics, read inside a chunk's step."""

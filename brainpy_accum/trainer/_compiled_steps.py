@@ -11,7 +11,7 @@ What it computes with (the model, the loss, the plan of a batch size, the window
 
 import contextlib
 import functools
-from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import brainpy.math as bm
 import brainstate
@@ -27,7 +27,7 @@ from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._metrics import WHOLE_METRICS, MetricPlan, metric_plan_of
 from ..core._mesh import random_states
 from ..core._batch import traced_shapes
-from ..core._states import whole_batch_variables
+from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import Devices, two_pass_sums
 from ..core._written import WriteEvidence, WriteReport
 from ..diagnostics._compiles import QUICK_COMPILE
@@ -130,8 +130,8 @@ class CompiledSteps:
     """Fresh jitted steps: they trace again, with the current plans; no kept executable."""
     self._jitted = {kind: bm.jit(functools.partial(self._traced, kind), static_argnums=(0,))
                     for kind in ('fit', 'loss', 'collect', 'close', 'piece', 'piece-loss', 'statistics')}
-    # (kind, batch size) -> the planner's compiled step, which fit runs: 'fit', or 'piece' (a streamed batch's
-    # chunk, whose step is the one the planner compiles for a chunk)
+    # (kind, batch size) -> the planner's compiled step, which fit runs: 'fit', or a streamed batch's chunk's,
+    # 'close' ('piece' where its loss reads the batch statistics of all the chunks)
     self._kept: Dict[Tuple[str, int], Any] = {}
 
   def use_found(self, found: Dict[str, str]) -> None:
@@ -306,17 +306,34 @@ class CompiledSteps:
       self._chunk_statistics[key] = store
     return self._chunk_statistics[key]
 
+  def statistics_of_chunks(self, shared_args, chunks: Sequence[tuple],
+                           enter: Callable[[int, int], None]) -> Optional[StreamedStatistics]:
+    """:meth:`streamed_statistics` of a streamed batch's ``chunks`` (``(start, size, data())``): one chunk of each
+    shape looked at, in its model state (``enter(start, size)``); ``None`` where the loss marks no statistics."""
+    store = None
+    for start, size, data in {size: (start, size, data) for start, size, data in chunks}.values():
+      enter(start, size)
+      store = self.streamed_statistics(shared_args, *data()) or store
+    return store
+
+  def random_keys_put_back(self) -> ContextManager:
+    """While inside, the random keys (BrainPy's and the model's) may advance; on exit they are as they were."""
+    return values_restored(random_states(self.parts.model))
+
   def _chunk_sums(self, shared_args, inputs, targets):
     """The ``'statistics'`` step of a streamed batch's chunk: its batch statistics' sums, element counts and
     total weight, from its micro-batches run forward (no gradient; the model state put back), for
-    :meth:`StreamedStatistics.add`."""
+    :meth:`StreamedStatistics.add`. The random keys are not put back: they advance from chunk to chunk as the
+    chunks' steps will draw them (the fit loop puts them back before those)."""
     parts = self.parts
     layout = parts.check_batch(inputs, targets)
     plan = self.planner.plan_for(layout.batch_size)
     axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
     loss_of = lambda micro_args, n: parts.loss_and_aux(shared_args, *micro_args)  # noqa
+    keys = random_states(parts.model)
+    replayed = [v for v in self._replayed() if all(v is not key for key in keys)]
     with whole_batch_variables(parts.model, layout.batch_size) as states, parts.tracing(plan):
-      found = statistics_pass(loss_of, parts.weigh, (inputs, targets), axes, plan, states, self._replayed())
+      found = statistics_pass(loss_of, parts.weigh, (inputs, targets), axes, plan, states, replayed)
     return found.totals, found.counts, found.weight
 
   def _marked(self, shared_args, args, axes, plan: MicroBatchPlan, states):
@@ -374,6 +391,7 @@ class CompiledSteps:
   def _unkeep(self, batch_size: int) -> None:
     """Forget the planner's step kept for ``batch_size`` (and its pieces'): fit traces the new plan's."""
     self._kept.pop(('fit', batch_size), None)
+    self._kept.pop(('close', batch_size), None)
     self._kept.pop(('piece', batch_size), None)
 
   def _probe(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
@@ -404,8 +422,7 @@ class CompiledSteps:
     batch size, so that the planner's compilation is the training's (no second one)."""
     batch_size, shared_args = self.parts.check_batch(inputs, targets).batch_size, fit_args(shared_args)
     step = None
-    if via_window:
-      self.streamed_statistics(shared_args, inputs, targets)
+    store = self.streamed_statistics(shared_args, inputs, targets) if via_window else None
 
     def traced(shared_args, inputs, targets):
       if any(kept is step for kept in self._kept.values()):  # a retrace of a kept step counts as fit's
@@ -420,7 +437,7 @@ class CompiledSteps:
 
     def keep():
       if self.keepable(via_window):
-        self._kept['piece' if via_window else 'fit', batch_size] = step
+        self._kept['fit' if not via_window else 'close' if store is None else 'piece', batch_size] = step
         self.trace_counts['fit'] += 1  # its trace and compilation are fit's: fit will not repeat them
         self.parts.note_compilations('fit', 1)
 

@@ -197,7 +197,7 @@ class FitLoop:
     pieces, results, weights = self._pieces(batch.inputs, batch.targets), [], []
     update, weigh = one.updates(batch), self.view.settings.loss_weight_fn
     with states.declared():
-      self._statistics_of_pieces(batch, pieces, states)
+      statistics = self._statistics_of_pieces(batch, pieces, states) is not None
       for i, (start, size, piece) in enumerate(pieces):
         host = piece()  # (NumPy views: nothing copied)
         data = batch.sent.pop(i, None) or host
@@ -205,10 +205,10 @@ class FitLoop:
         # the shorter last has its own plan, made on the host data, with the next piece sent beside it counted
         self.view.planner.plan_chunk(*host, self.options.shared_args)
         last = update and i == len(pieces) - 1
-        kind = self._kind(one.phase, last, streamed=True)
+        kind = self._kind(one.phase, last, streamed=True, statistics=statistics)
         first = i == 0 and one.phase == 'fit'
         with self._checked_piece(batch, data, size, states) if first else contextlib.nullcontext(), \
-             self._closing(kind == 'piece' and not last):
+             self._closing(kind in ('close', 'piece') and not last):
           results.append(self._step(kind, data, size, batch))
         one.feed.dispatched(results[-1][0], i, len(pieces))  # the next piece (or batch) on its way
         weights.append(size if weigh is None else weigh(*data))  # read with the results, when reported
@@ -217,22 +217,22 @@ class FitLoop:
     return combine_later(results, weights, self.view.settings.grad_reduction, self.view.steps.metric_rules,
                          chunk_sizes(batch.size, self.view.planner.stream_chunks[batch.size]))
 
-  def _statistics_of_pieces(self, batch: Batch, pieces: list, states: StreamedStates) -> None:
+  def _statistics_of_pieces(self, batch: Batch, pieces: list, states: StreamedStates):
     """Where ``loss_fun`` marks batch statistics, their pass over every piece of a streamed batch before the
-    pieces' steps read the whole batch's (:class:`~brainpy_accum.memory._stream.StreamedStatistics`): each piece
-    forward, no gradient, its model state put back (its data crosses to the device twice)."""
-    shared_args, store = self.options.shared_args, None
-    for start, size, piece in {size: (start, size, piece) for start, size, piece in pieces}.values():
-      states.enter(start, size)  # (one piece of each shape, traced on the host in its model state: nothing runs)
-      store = self.view.steps.streamed_statistics(shared_args, *piece()) or store
-    if store is None:
-      return
-    store.start()
-    for i, (start, size, piece) in enumerate(pieces):
-      host = piece()
-      states.enter(start, size)
-      self.view.planner.plan_chunk(*host, shared_args)
-      store.add(self.view.steps.step('statistics')(shared_args, *batch.sent.get(i, host)))
+    pieces' steps read the whole batch's (:class:`~brainpy_accum.memory._stream.StreamedStatistics`, returned;
+    else ``None``): each piece forward, its model state put back, drawing the random numbers its step will
+    draw (the keys put back after), its data sent to the device a first time."""
+    shared_args, steps = self.options.shared_args, self.view.steps
+    store = steps.statistics_of_chunks(shared_args, pieces, states.enter)
+    with steps.random_keys_put_back() if store else contextlib.nullcontext():
+      for i, (start, size, piece) in enumerate(pieces if store else ()):
+        host = piece()
+        states.enter(start, size)
+        self.view.planner.plan_chunk(*host, shared_args)
+        found, compiles = _call_step(steps.step('statistics'), shared_args, *batch.sent.get(i, host))
+        store.add(found, first=i == 0)
+        self.view.compilations.note('fit', compiles)
+    return store
 
   def _pieces(self, inputs, targets) -> Optional[list]:
     """The pieces of a batch like the one in hand (:func:`~brainpy_accum.memory._stream.host_pieces`), or
@@ -263,16 +263,17 @@ class FitLoop:
       return result if self.view.settings.loss_has_aux else (result, {})
     return result[0], (result[1] if self.view.settings.loss_has_aux else {})
 
-  def _kind(self, phase: str, update: bool, streamed: bool = False) -> str:
+  def _kind(self, phase: str, update: bool, streamed: bool = False, statistics: bool = False) -> str:
     """Which compiled step runs: ``'loss'`` (evaluation), ``'fit'`` (bp.BPTT's, or on a mesh the
     ``accumulate_steps`` window's update), ``'collect'`` (on a mesh: into the window, no update), ``'close'``
-    (through the window without a mesh: its ``closes`` flag, set by :meth:`_closing`, says whether it updates),
-    a streamed piece's ``'piece'`` (``'close'`` seeing the whole batch's statistics) and ``'piece-loss'``."""
-    if streamed:
+    (through the window without a mesh, a streamed piece's or an ``accumulate_steps`` batch's: its ``closes``
+    flag, set by :meth:`_closing`, says whether it updates), and a streamed piece's that reads the whole batch's
+    ``statistics``: ``'piece'`` (``'close'``'s) and ``'piece-loss'``."""
+    if statistics:
       return 'piece' if phase == 'fit' else 'piece-loss'
     if phase != 'fit':
       return 'loss'
-    if self.view.settings.accumulate_steps != 1 and not self.view.settings.on_mesh:
+    if (streamed or self.view.settings.accumulate_steps != 1) and not self.view.settings.on_mesh:
       return 'close'
     return 'fit' if update else 'collect'
 

@@ -198,6 +198,41 @@ def test_a_streamed_batch_sees_the_statistics_of_all_its_chunks(loss, names, red
     np.testing.assert_allclose(_history(trainer, names)[name], values, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.long  # one streamed fit
+def test_a_streamed_model_that_draws_noise_reads_the_statistics_of_its_own_forward_passes():
+  """With noise drawn in the forward pass, the statistics pass draws, chunk after chunk, what the chunks' steps
+  then draw: the rate every step reads is the mean of the per-sample rates of the forward passes the steps ran
+  (a pass that put the random keys back after each chunk would read other noise than the steps ran)."""
+  import helpers
+  from helpers import streaming_budget
+
+  class Noisy(helpers.SpikingNet):
+    def update(self, x):
+      current = self.inp(x)
+      return self.out(self.lif(current + bm.random.normal(0., 1., current.shape)))
+
+  def loss(predicts, targets):
+    outs, monitors = predicts
+    rate = batch_mean(monitors['spike'], axis=(0, 1), name='rate')
+    return (bm.mean((outs - targets) ** 2) + 2. * bm.sum((rate - 0.2) ** 2),
+            {'rate': rate, 'own': bm.mean(monitors['spike'], axis=1)})
+
+  helpers.MODELS['noisy'] = Noisy
+  batches = make_batches([23], num_time=20, n_in=64)
+
+  def trainer_of(**options):
+    model = make_model('noisy', n_in=64)
+    return AccumBPTT(model, loss, optimizer=bp.optim.Adam(lr=0.05), loss_has_aux=True, progress_bar=False,
+                     monitors={'spike': model.lif.spike}, cache=False, num_micro_batch='auto', **options)
+
+  budget = streaming_budget([trainer_of(memory_budget='1GiB')], batches)
+  trainer = trainer_of(memory_budget=budget)
+  trainer.fit(batches, num_epoch=1)
+  assert len(chunk_sizes(23, trainer.stream_chunks[23])) > 1
+  rate, own = (np.asarray(trainer.get_hist_metric('fit', name, 'detailed'))[0] for name in ('rate', 'own'))
+  np.testing.assert_allclose(rate, own.mean(axis=0), rtol=1e-5, atol=1e-7)
+
+
 def level_regularised(predicts, targets):
   """A rate RNN's squared error plus a function of its mean output over the batch and time."""
   return bm.mean((predicts - targets) ** 2) + bm.sum((batch_mean(predicts, axis=(0, 1)) - 0.3) ** 2)
