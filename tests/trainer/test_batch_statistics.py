@@ -198,6 +198,36 @@ def test_a_streamed_batch_sees_the_statistics_of_all_its_chunks(loss, names, red
     np.testing.assert_allclose(_history(trainer, names)[name], values, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.long  # two trainers' compilations
+def test_streamed_with_accumulate_steps_each_batch_has_its_own_statistics():
+  """accumulate_steps=2, grad_reduction='sum': streamed batches of 23 in chunks train as the same batches on the
+  device in one piece each (whose statistics span each batch, tested against bp.BPTT batch by batch above):
+  parameters after two updates and the losses."""
+  from helpers import streaming_budget
+
+  batches = make_batches([23, 23, 23, 23], num_time=20, n_in=64)
+
+  def trainer_of(**options):
+    model = make_model('snn', n_in=64)
+    return AccumBPTT(model, summed_with_rate, optimizer=bp.optim.Adam(lr=0.05), loss_has_aux=True,
+                     progress_bar=False, monitors={'spike': model.lif.spike}, grad_reduction='sum', cache=False,
+                     **options)
+
+  def fitted(**options):
+    trainer = trainer_of(accumulate_steps=2, **options)
+    with warnings.catch_warnings():
+      warnings.simplefilter('error', UserWarning)
+      trainer.fit(batches, num_epoch=1)
+    return trainer
+
+  budget = streaming_budget([trainer_of(num_micro_batch='auto', memory_budget='1GiB')], batches)
+  expected = fitted(num_micro_batch=1)
+  trainer = fitted(num_micro_batch='auto', memory_budget=budget)
+  assert len(chunk_sizes(23, trainer.stream_chunks[23])) > 1
+  assert_trees_close(params_of(trainer.target), params_of(expected.target), rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(trainer.train_losses, expected.train_losses, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.long  # one streamed fit
 def test_a_streamed_model_that_draws_noise_reads_the_statistics_of_its_own_forward_passes():
   """With noise drawn in the forward pass, the statistics pass draws, chunk after chunk, what the chunks' steps
