@@ -360,8 +360,8 @@ def whole_first(enabled: Optional[bool]):
     _WHOLE_FIRST[0] = before
 
 
-def fewest_fitting(share: int, budget: int, compilers, batch: tuple, via_window: bool
-                   ) -> Tuple[int, int, Optional[PlannedStep]]:
+def fewest_fitting(share: int, budget: int, compilers, batch: tuple, via_window: bool,
+                   whole: Optional[PlannedStep] = None) -> Tuple[int, int, Optional[PlannedStep]]:
   """``(micro_batch_size, bytes, compiled step or None)``: the fewest micro-batches of a share of ``share`` samples
   whose step fits ``budget``, measured by the planner's ``compilers``
   (:class:`~brainpy_accum.memory._planner.Compilers`) on ``batch`` (``shared_args, inputs, targets``).
@@ -370,14 +370,17 @@ def fewest_fitting(share: int, budget: int, compilers, batch: tuple, via_window:
   executable), the others quickly; an answer measured quickly is compiled for training afterwards, and
   its memory must fit too, else the search goes on below it. Where :func:`compiles_whole_first`, the first
   probe, the share in one micro-batch, is compiled for training: where it fits, that is the plan, and its one
-  compilation is training's.
+  compilation is training's. ``whole``: that step, compiled for training already (by the decision whether to
+  stream in pieces).
   """
   plan_of = lambda size: plan_micro_batches(share, micro_batch_size=size)
   keepable, kept = compilers.keepable(via_window), {}
-  if keepable and compiles_whole_first():  # the search's first probe, compiled for training
+  if whole is not None:
+    kept[share] = whole
+  elif keepable and compiles_whole_first():  # the search's first probe, compiled for training
     kept[share] = compilers.trial(plan_of(share), *batch, via_window)
-    if kept[share].memory.total <= budget:
-      return share, kept[share].memory.total, kept[share]
+  if share in kept and kept[share].memory.total <= budget:
+    return share, kept[share].memory.total, kept[share]
 
   def probe(size):
     return kept[size].memory if size in kept else compilers.step_bytes(plan_of(size), *batch, via_window)

@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._states import values_restored
-from ._budget import candidate_micro_batch_sizes, format_memory, largest_fitting, memory_parts, state_bytes
+from ._budget import (PlannedStep, candidate_micro_batch_sizes, compiles_whole_first, format_memory, largest_fitting,
+                      memory_parts, state_bytes)
 from ._cache import CachedPlans
 from ._device import PlanBudget
 from ._stream import best_chunk, chunk_candidates, host_chunk, likely_chunk
@@ -78,6 +79,7 @@ class Streaming:
     self.plan_chunk, self.plan_whole = plan_chunk, plan_whole
     self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
     self.piece_sizes: set = set()  # of those, the ones streamed in pieces by choice (their data fits the device)
+    self._whole_compiled: Dict[int, PlannedStep] = {}  # see take_whole
 
   def is_streamed(self, batch_size: int, on_device: bool = False) -> bool:
     """Whether a batch of ``batch_size`` is streamed in chunks: one streamed because its data does not fit beside
@@ -131,15 +133,28 @@ class Streaming:
     return not (search.micro_batch_of(piece) is None or self.plans[piece][0].num_micro_batches != 1
                 or self.plans[piece][1] + states > self.budget.bytes())
 
+  def take_whole(self, batch_size: int) -> Optional[PlannedStep]:
+    """The step of a batch of ``batch_size`` in one micro-batch that :meth:`pieces` compiled for training and
+    found to fit (where :func:`~brainpy_accum.memory._budget.compiles_whole_first`), for the planner to keep
+    rather than compile again; ``None`` if there is none. Forgotten once taken."""
+    return self._whole_compiled.pop(batch_size, None)
+
   def _fits_whole(self, request) -> bool:
-    """Whether the batch's step fits in one micro-batch, with the whole next batch sent ahead (a quick probe)."""
+    """Whether the batch's step fits in one micro-batch, with the whole next batch sent ahead: a quick probe, or
+    where the planner compiles that step for training first, that compilation (kept for :meth:`take_whole`)."""
+    batch_size = request.layout.batch_size
     if self.model.fixed_bytes(request.inputs, request.targets) > self.budget.bytes():
       return False
     with values_restored(self.model.variables(), any_shape=True):
-      self.model.reset(request.layout.batch_size)
-      one = plan_micro_batches(request.layout.batch_size, num_micro_batch=1)._replace(
-        remat=False if self.remat == 'auto' else None)
-      return memory_parts(request.compilers.step_bytes(one, *request.batch, False))[0] <= self.budget.bytes()
+      self.model.reset(batch_size)
+      one = plan_micro_batches(batch_size, num_micro_batch=1)._replace(remat=False if self.remat == 'auto' else None)
+      if not (compiles_whole_first() and request.compilers.keepable(False)):
+        return memory_parts(request.compilers.step_bytes(one, *request.batch, False))[0] <= self.budget.bytes()
+      planned = request.compilers.trial(one, *request.batch, False)
+    if planned.memory.total > self.budget.bytes():
+      return False
+    self._whole_compiled[batch_size] = planned
+    return True
 
   def _largest_piece(self, request, search: 'ChunkSearch', states: int) -> Optional[int]:
     """The piece to stream a batch in (see :meth:`pieces`), planned; ``None`` if no piece of one micro-batch fits

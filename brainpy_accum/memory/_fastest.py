@@ -125,8 +125,8 @@ def _too_small(budget: int, batch_size: int, need: int) -> TooSmall:
 
 
 def fastest_fitting(share: int, budget: int, compilers, batch: tuple, via_window: bool, *, named: str,
-                    weighed_plans: Dict[int, List[Candidate]], step_time: Optional[Callable] = None
-                    ) -> Tuple[int, int, Remat, Optional[PlannedStep]]:
+                    weighed_plans: Dict[int, List[Candidate]], step_time: Optional[Callable] = None,
+                    whole: Optional[PlannedStep] = None) -> Tuple[int, int, Remat, Optional[PlannedStep]]:
   """``remat='auto'``: ``(micro_batch_size, bytes, remat, compiled step)`` of the fastest plan of a share of
   ``share`` samples that fits ``budget`` (``named`` so in errors), measured and timed by the planner's
   ``compilers`` (:class:`~brainpy_accum.memory._planner.Compilers`) on ``batch`` (``shared_args, inputs,
@@ -137,9 +137,10 @@ def fastest_fitting(share: int, budget: int, compilers, batch: tuple, via_window
   search compiles the sizes it predicts to be the answer as training runs them, so the candidates timed are
   already compiled, their compilation's memory is the figure that must fit, and training runs the winner's
   executable (where :func:`~brainpy_accum.memory._budget.compiles_whole_first`, the first probe, the share in one
-  micro-batch without remat, too). ``step_time(plans) -> seconds`` replaces the trial steps (timing by a model).
+  micro-batch without remat, too; ``whole``: that step, compiled for training already). ``step_time(plans) ->
+  seconds`` replaces the trial steps (timing by a model).
   """
-  compiled = {}
+  compiled = {} if whole is None else {(share, False): whole}
   plan_of = lambda size, remat: plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
 
   def compile_(size, remat):
@@ -147,7 +148,7 @@ def fastest_fitting(share: int, budget: int, compilers, batch: tuple, via_window
       compiled[size, remat] = compilers.trial(plan_of(size, remat), *batch, via_window)
     return compiled[size, remat]
 
-  if compilers.keepable(via_window) and compiles_whole_first():  # the first probe compiled for training
+  if compilers.keepable(via_window) and compiles_whole_first() and whole is None:  # the first probe, for training
     compile_(share, False)
 
   def probe(size, remat):

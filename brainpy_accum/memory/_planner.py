@@ -341,6 +341,7 @@ class Planner:
     """
     batch_size, share = request.layout.batch_size, self.share_size(request.layout.batch_size)
     key = self.cached.key(request.batch, via_window, modelled=request.step_time is not None)
+    whole = None if via_window else self.streaming.take_whole(batch_size)  # (compiled by the pieces' decision)
     if self._plan_from_cache(key, request, via_window, unkept):
       self._note_window(batch_size, via_window)
       return
@@ -348,10 +349,10 @@ class Planner:
       if self.remat == 'auto':
         size, used, remat, planned = fastest_fitting(share, self.budget, request.compilers, request.batch, via_window,
                                                      step_time=request.step_time, named=self.budget_of.named(),
-                                                     weighed_plans=self.weighed_plans)
+                                                     weighed_plans=self.weighed_plans, whole=whole)
       else:
         (size, used, planned), remat = fewest_fitting(share, self.budget, request.compilers, request.batch,
-                                                      via_window), None
+                                                      via_window, whole), None
     except ValueError as error:
       if isinstance(error, TooSmall) and self.budget_of.from_device:  # no memory_budget to raise: other fixes
         error = self.budget_of.too_small(f'batch {batch_size}, even at one sample per micro-batch,', error.need)

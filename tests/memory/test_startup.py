@@ -309,16 +309,18 @@ def test_first_fit_phases_add_up_to_the_fit_and_hold_the_planners_compilations(d
   assert table['total']['compilations'] >= compiled()  # (the check's thread, beside, is not counted by compiled)
 
 
-@pytest.mark.parametrize('remat', [False, 'auto'])
-def test_whole_first_a_batch_that_fits_is_compiled_once_and_one_that_does_not_plans_as_before(data, remat):
+@pytest.mark.parametrize('remat, sent_ahead', [(False, False), ('auto', False), (False, True)])
+def test_whole_first_a_batch_that_fits_is_compiled_once_and_one_that_does_not_plans_as_before(data, remat,
+                                                                                             sent_ahead):
   """Where the planner compiles the batch in one micro-batch for training first (a TPU's way, forced here on the
   CPU): a batch that fits is planned with that one compilation, no quick probe, and trains as the fixed plan of
-  one micro-batch; one that does not fit is planned as the quick probes plan it, without probing the whole batch
-  again."""
+  one micro-batch, also where the batch is sent ahead (the TPU's way with NumPy data: whether to stream it in
+  pieces is decided by that compilation); one that does not fit is planned as the quick probes plan it, without
+  probing the whole batch again."""
   batches, budget, need = data
   roomy = _trainer(num_micro_batch='auto', memory_budget='1GiB', remat=remat, cache=False)
   probes = _recorded_probes(roomy)
-  with whole_first(True), count_compilations() as compiled:
+  with whole_first(True), overlapping(sent_ahead), count_compilations() as compiled:
     roomy.fit(batches, num_epoch=1)
   assert probes == [] and roomy.plan_for(SIZE).num_micro_batches == 1 and roomy.compilations['fit'] == 1
   assert compiled() <= 3  # the step; (the loss check is skipped: a mean over elements), small ones
