@@ -11,6 +11,7 @@ import pytest
 from brainpy_accum import AccumBPTT
 from brainpy_accum.recipes import evidence
 from brainpy_accum.checkpoint._file import read_tree
+from brainpy_accum.trainer._feed import overlapping
 from helpers import assert_trees_close, params_of
 
 pytest.importorskip('brainpy_datasets', reason='the evidence benchmark needs brainpy-datasets (the evidence extra)')
@@ -42,6 +43,24 @@ def test_accum_bptt_matches_bptt_on_the_evidence_network(coupled):
   bptt = evidence.make_trainer(config._replace(trainer='bptt'), evidence.build_model(config))
   assert type(bptt) is bp.BPTT and isinstance(accum, AccumBPTT) and accum.whole_batch_loss == (coupled == 'whole-batch')
   assert_trees_close(accum_params, _trained_params(bptt, batches))
+
+
+@pytest.mark.long  # about 10 s: the planner's compilations
+def test_the_record_of_a_batch_streamed_in_pieces_names_the_pieces_and_their_step():
+  """On an accelerator a host batch whose step does not fit in one micro-batch streams in pieces (here forced on
+  the CPU): the run's record gives the piece's plan and its step's memory, not nothing."""
+  config = TINY._replace(updates=1)
+  batches = evidence.TrainingBatches(evidence.load_task(config.periods), config.batch, config.seed, 1, 1)
+  budget = int(evidence.bptt_step_memory(config, batches.batch_of(0))['bytes'] * 0.6)
+  trainer = evidence.make_trainer(config._replace(budget=budget), evidence.build_model(config))
+  with overlapping(True):
+    _trained_params(trainer, batches)
+  run = evidence.Run('streamed', config, None)
+  evidence._record_memory(run, trainer)
+  piece = trainer.stream_chunks[config.batch]
+  plan = run.record['memory']['plan']
+  assert plan['streamed'] == piece < config.batch and plan['step_bytes'] == trainer.memory_plans[piece][1] <= budget
+  assert plan['text'].startswith(f'streamed in pieces of {piece}, each 1 micro-batch'), plan
 
 
 @pytest.mark.long  # about 40 s on one core: 100 updates of 32 neurons on 270-step trials, and the compilations

@@ -407,12 +407,21 @@ def _evaluate_point(run: Run, trainer: bp.BPTT, runner: bp.DSRunner, held_out: T
 
 
 def _record_memory(run: Run, trainer: bp.BPTT) -> None:
+  """The budget, and ``AccumBPTT``'s plan of the run's batch: its step's memory by XLA's analysis, and where the
+  batch is streamed from the host, the piece (or chunk) whose step that is."""
   run.record['memory']['budget'] = run.config.budget
-  if isinstance(trainer, AccumBPTT) and run.config.batch in trainer.memory_plans:
-    plan, step_bytes = trainer.memory_plans[run.config.batch]
-    run.record['memory']['plan'] = {'num_micro_batches': plan.num_micro_batches, 'step_bytes': step_bytes,
-                                    'micro_batch_size': plan.micro_batch_size,
-                                    'text': f'{plan.num_micro_batches} micro-batches ({plan.describe_cuts()})'}
+  if not isinstance(trainer, AccumBPTT):
+    return
+  streamed = trainer.stream_chunks.get(run.config.batch)
+  planned = trainer.memory_plans.get(run.config.batch if streamed is None else streamed)
+  if planned is None:
+    return
+  plan, step_bytes = planned
+  text = f'{plan.num_micro_batches} micro-batch{"es" if plan.num_micro_batches > 1 else ""} ({plan.describe_cuts()})'
+  if streamed is not None:
+    text = f'streamed in pieces of {streamed}, each {text}'
+  run.record['memory']['plan'] = {'num_micro_batches': plan.num_micro_batches, 'step_bytes': step_bytes,
+                                  'micro_batch_size': plan.micro_batch_size, 'streamed': streamed, 'text': text}
 
 
 def seconds_per_update(record: dict) -> Optional[float]:
