@@ -31,6 +31,11 @@ each one's micro-batch rows put together must give its whole-batch value at ever
 none, or both orders, refuse it by name (:func:`~brainpy_accum.core._metrics.found_orders`). Then the check must
 end before the first train step is traced.
 
+Where the device cannot hold the check's program (it holds random outputs of the whole batch at three points: at
+4,096 spiking neurons and 512 trials of 2,200 steps, 69 GiB on the TPU v5e), the check of the batch's first
+samples runs instead, as many as half the device's free memory holds by the size the refusal named, cut into
+micro-batches of the plan's size: a coupling shows on a part of the batch as on the whole.
+
 The check changes nothing, never stops training but to refuse a metric that cannot be stitched, and is one
 compiled function. It is skipped (nothing to
 compile) when ``loss_fun`` is BrainPy's own ``mean_squared_error`` or ``mean_absolute_error`` with its default
@@ -48,13 +53,17 @@ import jax
 import numpy as np
 
 from ..core._cut import MicroBatchPlan, plan_micro_batches
-from ..core._metrics import AUX_REDUCTIONS, MetricsError, default_reduction, found_orders, reductions_that_fit
+from ..core._metrics import MetricsError, found_orders
 from ..core._states import values_restored, whole_batch_variables
+from ..memory import _device
+from ..memory._device import is_out_of_memory, refused_bytes
+from ..memory._stream import host_chunk
 from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_batch_like
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
 from ..diagnostics._phases import phase
 from ._fit_check import NO_CHECK, PendingCheck
-from ._random_outputs import LEVELS, POINTS, CheckNames, Evidence, loss_at_random_outputs
+from ._random_outputs import (LEVELS, POINTS, CheckNames, Evidence, found_reductions, loss_at_random_outputs,
+                              warn_coupled, warn_coupled_loss, warn_metrics)
 
 __all__ = ['MEANS_OVER_ELEMENTS', 'CheckParts', 'FirstBatchCheck', 'RunningCheck', 'check_first_batch', 'check_in_background',
            'check_loss', 'conclude', 'found_reductions', 'warn_coupled_loss', 'warn_if_coupled', 'warn_metrics']
@@ -130,7 +139,7 @@ def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan,
   if evidence.gaps is not None and LEVELS in usable:
     for path, (difference, scale) in zip(names.leaves, np.asarray(evidence.gaps, np.float64)):
       if difference > GRAD_RTOL * scale and difference > GRAD_TINY:
-        _warn_coupled(f'its gradient with respect to {path} on the whole batch differs from the gradient of the '
+        warn_coupled(f'its gradient with respect to {path} on the whole batch differs from the gradient of the '
                       f'{"sum" if reduction == "sum" else "weighted mean"} of its values on the '
                       f'{plan.describe_cuts()} micro-batches by up to {difference / scale:.3g} of its largest entry '
                       f'(the loss itself: {whole[LEVELS]:.7g} and {combined[LEVELS]:.7g})', POINTS[LEVELS],
@@ -138,53 +147,21 @@ def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan,
         return
 
 
-def found_reductions(undecided: Sequence, evidence: Sequence, plan: MicroBatchPlan, reduction: str
-                     ) -> Dict[str, str]:
-  """How each undeclared scalar metric combines, from the evidence at every point (``(whole values, candidates)``
-  of :class:`Evidence`): the one of :data:`AUX_REDUCTIONS` that reproduces the whole batch's value from the
-  micro-batches' values everywhere. Where none does, or several do (a metric constant at the random outputs,
-  whose combination they cannot tell), it stays the loss's own combination and a warning names
-  ``aux_reduction``. Returns the reductions that differ from that default, by the leaf's path."""
-  default, found = default_reduction(reduction), {}
-  for k, (path, name) in enumerate(undecided):
-    whole = [np.asarray(values[k]) for values, _ in evidence]
-    candidates = [[np.asarray(c) for c in copies[k]] for _, copies in evidence]
-    fits = reductions_that_fit(whole, candidates)
-    if len(fits) == 1 or (fits and _reads_the_whole_batch(whole)):  # (then every micro-batch gives its value)
-      how = default if default in fits else ('mean' if 'mean' in fits else fits[0])
-      if how != default:
-        found[path] = how
-      continue
-    first = next((p for p, w in enumerate(whole) if np.all(np.isfinite(w.astype(np.float64)))), 0)
-    shown = ', '.join(f'{how} {_show(c)}' for how, c in zip(AUX_REDUCTIONS, candidates[first]))
-    if fits:
-      why = (f'its {", ".join(fits)} over the {plan.describe_cuts()} micro-batches all equal its whole-batch value '
-             f'{_show(whole[first])} at the random outputs checked, so these cannot tell how it combines')
-    elif any(np.all(np.isfinite(w.astype(np.float64))) for w in whole):
-      why = (f'it is {_show(whole[first])} on the whole first batch at random outputs ({POINTS[first]}), but no '
-             f'combination of its values on the {plan.describe_cuts()} micro-batches gives that ({shown})')
-    else:
-      why = 'it is not finite at any random outputs checked, so how it combines cannot be told'
-    warnings.warn(f'The metric metrics{path} of loss_fun: {why}. It is combined as a {default} (as the loss is), '
-                  f'and its recorded history may differ from bp.BPTT\'s. Declare how it combines with '
-                  f'aux_reduction={{{name!r}: ...}} (one of {AUX_REDUCTIONS}), make it a per-sample array '
-                  f'(stitched exactly) or a mean over samples, or pass whole_batch_loss=True to compute the metrics '
-                  f'on the whole batch.', UserWarning, stacklevel=3)
-  return found
+# Of the device's free memory, the share the check of fewer samples is sized to, where the whole batch's check did
+# not fit: its program is mostly the random outputs (three points, and the gradients at one), which scale with the
+# samples; the rest is room for what else the device holds then.
+CHECK_SHARE = 0.5
 
 
-def _reads_the_whole_batch(whole: Sequence[np.ndarray]) -> bool:
-  """Whether a metric that every micro-batch gives the same value (every reduction fits) changes from one point
-  to the next: it reads the whole batch's outputs (a function of batch statistics), so any reduction is exact.
-  (One constant at every point, e.g. of the parameters alone, could still differ at the model's outputs.)"""
-  finite = [w.astype(np.float64) for w in whole if np.all(np.isfinite(w.astype(np.float64)))]
-  return any(w.shape != finite[0].shape or not np.allclose(w, finite[0], rtol=1e-5, atol=1e-6) for w in finite[1:])
-
-
-def _could_not_check(error: Exception) -> None:
-  warnings.warn(f'Could not check whether loss_fun is a mean over samples ({type(error).__name__}: '
-                f'{str(error)[:200]}); if it couples the samples of a batch, pass whole_batch_loss=True.',
-                UserWarning, stacklevel=6)  # fit's line
+def _could_not_check(error: Exception, samples: Optional[int] = None) -> None:
+  if samples is not None and is_out_of_memory(error):
+    why = (f"the check's program, loss_fun at random outputs of {samples} samples, needs "
+           f"{refused_bytes(error, 0) / 2 ** 30:.3g} GiB or more of the device's memory, which does not hold it "
+           f"(nor that of fewer samples)")
+  else:
+    why = f'{type(error).__name__}: {str(error)[:200]}'
+  warnings.warn(f'Could not check whether loss_fun is a mean over samples ({why}); if it couples the samples of a '
+                f'batch, pass whole_batch_loss=True.', UserWarning, stacklevel=6)  # fit's line
 
 
 class RunningCheck:
@@ -192,8 +169,11 @@ class RunningCheck:
   :meth:`finish` waits for it and gives its warnings, once."""
 
   def __init__(self, lowered, values, inputs, targets, names: 'CheckNames', plan: MicroBatchPlan, reduction: str,
-               use_found: Optional[Callable[[Dict[str, str]], None]]):
+               use_found: Optional[Callable[[Dict[str, str]], None]],
+               fewer: Optional[Callable[[BaseException], Optional['RunningCheck']]] = None):
     self._names, self._plan, self._reduction, self._use_found = names, plan, reduction, use_found
+    self._fewer = fewer  # where the device cannot hold the check: the check of fewer samples, started (or None)
+    self._instead: Optional[RunningCheck] = None  # that check, once started
     self._done: dict = {}
     self._reported: list = []  # the conclusion's warnings, given when finish() reports; reductions used at once
     self._thread = threading.Thread(target=self._run, args=(lowered, values, inputs, targets),
@@ -209,13 +189,22 @@ class RunningCheck:
     except Exception as error:  # reported by finish(), on the caller's thread
       self._done['error'] = error
 
-  def finish(self, report: bool = True) -> None:
-    """Wait for the check and give its warnings (``report=False``: only wait, for a step that raised)."""
+  def finish(self, report: bool = True, retry: bool = True) -> None:
+    """Wait for the check and give its warnings (``report=False``: only wait). Where the device could not hold
+    its program, the check of the batch's first samples, as many as it can hold, runs instead (not with
+    ``retry=False``: a step raised)."""
     with phase('first-batch check'):
       self._thread.join()
-    if 'error' in self._done:
+    error = self._done.get('error')
+    if error is not None and retry and self._instead is None and self._fewer is not None \
+        and is_out_of_memory(error):
+      self._instead = self._fewer(error)
+    if self._instead is not None:
+      self._instead.finish(report, retry)
+      return
+    if error is not None:
       if report:
-        _could_not_check(self._done['error'])
+        _could_not_check(error, self._plan.batch_size)
       return
     if not self._reported:
       with warnings.catch_warnings(record=True) as caught:
@@ -228,8 +217,8 @@ class RunningCheck:
 
 
 def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan,
-                        reduction: str, use_found: Optional[Callable[[Dict[str, str]], None]] = None
-                        ) -> Optional[RunningCheck]:
+                        reduction: str, use_found: Optional[Callable[[Dict[str, str]], None]] = None,
+                        fewer: Optional[Callable] = None) -> Optional[RunningCheck]:
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
   values of now: the :class:`RunningCheck`, whose ``finish(report=True)`` waits for it and warns. XLA compiles
@@ -239,7 +228,8 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
 
   Where the loss has undeclared scalar metrics or stitched ones, the train step must know how they combine
   before it is traced (and a stitched metric whose rows cannot be placed must be refused before any step): then
-  the check is waited for here, what it found handed to ``use_found``, and ``finish`` only warns."""
+  the check is waited for here, what it found handed to ``use_found``, and ``finish`` only warns. ``fewer(error)``:
+  where the device cannot hold the check, the check of fewer samples (see :class:`RunningCheck`)."""
   names = CheckNames()
   with values_restored(variables):
     try:
@@ -251,79 +241,10 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
     except Exception as error:
       _could_not_check(error)
       return None
-  running = RunningCheck(lowered, values, inputs, targets, names, plan, reduction, use_found)
+  running = RunningCheck(lowered, values, inputs, targets, names, plan, reduction, use_found, fewer)
   if names.undecided or names.stitched:  # the step to be traced next combines them as found
     running.finish(report=False)
   return running
-
-
-def warn_metrics(names: Sequence, whole: Sequence[np.ndarray], combined: Sequence[np.ndarray], plan: MicroBatchPlan,
-                 rtol: float = 1e-5, atol: float = 1e-6) -> list:
-  """Warn once for every declared scalar metric whose whole-batch value differs from its declared combination
-  over the micro-batches.
-
-  ``names``: ``(path, name, reduction)`` of each metric. Returns the paths warned about.
-  """
-  warned = []
-  for (path, name, how), w, c in zip(names, whole, combined):
-    if w.shape == c.shape and np.allclose(w.astype(np.float64), c.astype(np.float64), rtol=rtol, atol=atol) \
-        and w.dtype == c.dtype:
-      continue
-    warned.append(path)
-    fix = {'mean': "'sum' for a count, 'max' or 'min' for an extreme", 'sum': "'mean' for a mean over samples"}.get(
-      how, "'mean' or 'sum'")
-    warnings.warn(f'The metric metrics{path} of loss_fun is {_show(w)} on the whole first batch, but its {how!r} over '
-                  f'the {plan.describe_cuts()} micro-batches is {_show(c)}: the recorded history would differ from '
-                  f'bp.BPTT\'s. Declare how it combines with aux_reduction={{{name!r}: ...}} ({fix}), make it a '
-                  f'per-sample array (stitched exactly) or a mean over samples, or pass whole_batch_loss=True to '
-                  f'compute the metrics on the whole batch.', UserWarning, stacklevel=2)
-  return warned
-
-
-def _show(value: np.ndarray) -> str:
-  text = np.array2string(value, precision=7, threshold=6) if value.ndim else f'{value.item():.7g}'
-  return f'{text} ({value.dtype})'
-
-
-def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str, point: str,
-                      rtol: float = 1e-5, atol: float = 1e-6, magnitude: float = 0.,
-                      statistics: Sequence[str] = ()) -> bool:
-  """Warn if the loss of the whole batch differs from the combination of its micro-batch losses, both at the
-  same random outputs (drawn as ``point`` says).
-
-  A loss that is a weighted mean (``'sum'``: a sum) of per-sample terms agrees to float32 round-off at any
-  outputs; one that couples the samples does not. Round-off is relative to the larger of the whole batch's loss
-  and ``magnitude``, the same combination of the micro-batch losses' absolute values (they may cancel where the
-  micro-batches lie at levels of their own). ``statistics``: the names of the batch statistics the loss marks
-  (:func:`~brainpy_accum.batch_mean`), which each micro-batch's loss saw whole. Returns whether it warned.
-  """
-  if abs(whole - combined) <= atol + rtol * max(abs(whole), abs(magnitude)):
-    return False
-  how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
-  _warn_coupled(f'its value on the whole batch is {whole:.7g}, but the {how} of its values on the '
-                f'{plan.describe_cuts()} micro-batches is {combined:.7g} (difference {whole - combined:.3g})', point,
-                statistics)
-  return True
-
-
-def _warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
-  seen = f'random outputs ({point}) in place of the model\'s, {what}'
-  if statistics:
-    warnings.warn(f'loss_fun couples the samples of a batch beyond its batch statistics '
-                  f'({", ".join(statistics)}, which every micro-batch sees whole): with the first batch\'s data and '
-                  f'{seen}. A term that reads a batch statistic per sample (e.g. mean((x - batch_mean(x)) ** 2)), a '
-                  f'statistic of a statistic, or another mean over the batch left unmarked is not exact over '
-                  f'micro-batches: accumulating their gradients would train another objective. Write it as a function '
-                  f'of batch statistics alone (e.g. batch_mean(x ** 2) - batch_mean(x) ** 2), or pass '
-                  f'whole_batch_loss=True to train the whole-batch loss exactly.', UserWarning, stacklevel=4)
-    return
-  warnings.warn(f'loss_fun couples the samples of a batch: with the first batch\'s data and {seen}. Accumulating '
-                f'micro-batch gradients would train that other objective (e.g. a batch-wide firing-rate regulariser, '
-                f'or a spike count summed over the batch, shrinks with the micro-batch). Two ways train the '
-                f'whole-batch loss exactly: where the coupling is a mean or a sum over the batch (a firing rate), '
-                f'compute it with brainpy_accum.batch_mean(x, axis=...) or batch_sum (each micro-batch then sees the '
-                f'whole batch\'s value, at one micro-batch\'s memory); for any loss, pass whole_batch_loss=True (it '
-                f'keeps the whole batch\'s outputs); or make the loss a mean over samples.', UserWarning, stacklevel=4)
 
 
 def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan: MicroBatchPlan,
@@ -351,21 +272,73 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
   if plan.num_micro_batches == 1:
     return None
 
-  def compare(names, shared_args, inputs, targets):
-    layout = check_batch(inputs, targets)
-    axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
-    with whole_batch_variables(model, layout.batch_size) as states:  # the outputs' shapes: the model is traced only
-      small, large = traced_shapes(forward(shared_args), (inputs, targets), axes, states, second_sizes(plan))
-    out_axes = output_axes(small, large)
-    return loss_at_random_outputs(loss_of, weigh, (inputs, targets), axes,
-                                  whole_batch_like(small, out_axes, plan.batch_size), out_axes, plan, reduction,
-                                  names, declared, has_metrics)
+  def comparing(plan: MicroBatchPlan) -> Callable:  # the check of a batch cut by ``plan``
+    def compare(names, shared_args, inputs, targets):
+      layout = check_batch(inputs, targets)
+      axes = jax.tree_util.tree_leaves((layout.input_axes, layout.target_axes))
+      with whole_batch_variables(model, layout.batch_size) as states:  # the outputs' shapes: traced only
+        small, large = traced_shapes(forward(shared_args), (inputs, targets), axes, states, second_sizes(plan))
+      out_axes = output_axes(small, large)
+      return loss_at_random_outputs(loss_of, weigh, (inputs, targets), axes,
+                                    whole_batch_like(small, out_axes, plan.batch_size), out_axes, plan, reduction,
+                                    names, declared, has_metrics)
+    return compare
 
-  if jit:  # it runs once: compiled quickly (unoptimised code), beside the first step
-    return check_in_background(bm.jit(compare, static_argnums=(0, 1)), shared_args, inputs, targets, variables,
-                               plan, reduction, use_found)
-  check_loss(lambda names: compare(names, shared_args, inputs, targets), variables, plan, reduction, use_found)
+  if not jit:
+    check_loss(lambda names: comparing(plan)(names, shared_args, inputs, targets), variables, plan, reduction,
+               use_found)
+    return None
+
+  def start(plan: MicroBatchPlan, inputs, targets) -> Optional[RunningCheck]:  # compiled quickly, beside the steps
+    return check_in_background(bm.jit(comparing(plan), static_argnums=(0, 1)), shared_args, inputs, targets,
+                               variables, plan, reduction, use_found,
+                               lambda error: _first_samples_check(error, model, check_batch, start, plan, inputs,
+                                                                  targets))
+
+  return start(plan, inputs, targets)
+
+
+def _first_samples_check(error: BaseException, model, check_batch: Callable, start: Callable, plan: MicroBatchPlan,
+                         inputs, targets):
+  """Where the device could not hold the check of a batch cut by ``plan`` (``error``), the check of its first
+  samples, as many as it holds (:func:`_samples_held`), cut in micro-batches of the plan's size (in two where they
+  are fewer), from their slice of the model state: ``start(plan, inputs, targets)``'s :class:`RunningCheck`;
+  ``None`` where no two samples fit, :data:`_WARNED` where it could not start (and said so)."""
+  size = _samples_held(error, plan.batch_size)
+  if size is None:
+    return None
+  layout = check_batch(inputs, targets)
+  cut = plan_micro_batches(size, micro_batch_size=plan.micro_batch_size) if plan.micro_batch_size < size \
+      else plan_micro_batches(size, num_micro_batch=2)
+  with whole_batch_variables(model, plan.batch_size) as states, values_restored([var for var, _ in states]):
+    for var, axis in states:
+      var.value = jax.lax.slice_in_dim(bm.as_jax(var.value), 0, size, axis=axis)
+    running = start(cut, host_chunk(inputs, layout.input_axes, 0, size), host_chunk(targets, layout.target_axes,
+                                                                                     0, size))
+  return _WARNED if running is None else running
   return None
+
+def _samples_held(error: BaseException, batch_size: int) -> Optional[int]:
+  """Of a check of ``batch_size`` samples that the device could not hold (``error``), the samples whose check
+  it can (:data:`CHECK_SHARE` of its free memory, by the size the refusal names; at most half): ``None`` under 2,
+  or where the device reports no memory."""
+  memory = _device.device_memory()  # (looked up when called: the tests' simulated device replaces it)
+  if memory is None:
+    return None
+  free = max(0, memory.limit - memory.in_use)
+  size = min(batch_size // 2, int(batch_size * CHECK_SHARE * free / refused_bytes(error, memory.limit + 1)))
+  return size if size >= 2 else None
+
+
+class _Warned:
+  """A check that could not start and has warned so: nothing to wait for."""
+
+  def finish(self, report: bool = True, retry: bool = True) -> None:
+    pass
+
+
+_WARNED = _Warned()
+
 
 class CheckParts(NamedTuple):
   """What the first-batch check reads of the trainer, handed over by it.

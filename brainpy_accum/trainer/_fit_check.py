@@ -29,12 +29,13 @@ class PendingCheck:
     """Never start (nothing to check); a check already finished stays as it is."""
     self.started = self.finished = True
 
-  def finish(self, report: bool = True) -> None:
-    """Wait for the check and give its warnings (``report=False``: only wait); nothing if it never started."""
+  def finish(self, report: bool = True, retry: bool = True) -> None:
+    """Wait for the check and give its warnings (``report=False``: only wait); nothing if it never started.
+    ``retry=False``: where the device could not hold the check, no check of fewer samples either."""
     if self.started and not self.finished:
       self.finished = True
       if self._running is not None:
-        self._running.finish(report=report)
+        self._running.finish(report=report, retry=retry)
 
   @contextlib.contextmanager
   def around_step(self, report: bool = True):
@@ -44,7 +45,7 @@ class PendingCheck:
     try:
       yield
     except BaseException:
-      self.finish(report=False)
+      self.finish(report=False, retry=False)
       raise
     if report:
       self.finish()
@@ -85,7 +86,7 @@ class FitCheck:
     is dropped, started or not); a streamed batch's check, made before planning and not started (a cached plan),
     starts now, while the model holds the whole batch's state (its first piece's is set next)."""
     if one_piece:
-      self.pending.finish(report=False)
+      self.pending.finish(report=False, retry=False)
       self.pending.cancel()
     elif streamed:
       self.pending.start()

@@ -8,10 +8,13 @@ outputs; every scalar metric, combined as declared or by each candidate reductio
 its micro-batches' rows put together by its rule (in each of ``ORDERS`` where it holds several rows per sample,
 a flattened ``(T * B, ...)``), beside its whole-batch value. This module computes
 all of it as one traced function (:func:`loss_at_random_outputs`, an :class:`Evidence`); the check compiles,
-runs and reads it.
+runs and reads it. What the evidence says is worded here too: the warnings of a coupled loss
+(:func:`warn_coupled_loss`, :func:`warn_coupled`) and of metrics that do not combine (:func:`warn_metrics`,
+:func:`found_reductions`).
 """
 
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import brainpy.math as bm
 import brainstate
@@ -25,11 +28,12 @@ from ..core._batch import is_array
 from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan
 from ..core._metrics import (AUX_REDUCTIONS, ORDERS, MetricPlan, default_reduction, finish_metrics, metric_name,
-                             plan_from_shapes, undeclared_leaves, with_candidates)
+                             plan_from_shapes, reductions_that_fit, undeclared_leaves, with_candidates)
 from ..core._batch import first_samples
 from ..core._two_pass import second_sizes, traced_shapes
 
-__all__ = ['CheckNames', 'Evidence', 'LEVELS', 'POINTS', 'loss_at_random_outputs', 'random_outputs']
+__all__ = ['CheckNames', 'Evidence', 'LEVELS', 'POINTS', 'found_reductions', 'loss_at_random_outputs', 'random_outputs',
+           'warn_coupled', 'warn_coupled_loss', 'warn_metrics']
 
 
 # Where the loss is evaluated in place of the model's outputs: (name in the warning, how each leaf is drawn).
@@ -342,3 +346,115 @@ class CheckNames:
 
   def __init__(self):
     self.metrics, self.undecided, self.stitched, self.leaves, self.statistics = [], [], [], [], []
+
+
+def found_reductions(undecided: Sequence, evidence: Sequence, plan: MicroBatchPlan, reduction: str
+                     ) -> Dict[str, str]:
+  """How each undeclared scalar metric combines, from the evidence at every point (``(whole values, candidates)``
+  of :class:`Evidence`): the one of :data:`AUX_REDUCTIONS` that reproduces the whole batch's value from the
+  micro-batches' values everywhere. Where none does, or several do (a metric constant at the random outputs,
+  whose combination they cannot tell), it stays the loss's own combination and a warning names
+  ``aux_reduction``. Returns the reductions that differ from that default, by the leaf's path."""
+  default, found = default_reduction(reduction), {}
+  for k, (path, name) in enumerate(undecided):
+    whole = [np.asarray(values[k]) for values, _ in evidence]
+    candidates = [[np.asarray(c) for c in copies[k]] for _, copies in evidence]
+    fits = reductions_that_fit(whole, candidates)
+    if len(fits) == 1 or (fits and _reads_the_whole_batch(whole)):  # (then every micro-batch gives its value)
+      how = default if default in fits else ('mean' if 'mean' in fits else fits[0])
+      if how != default:
+        found[path] = how
+      continue
+    first = next((p for p, w in enumerate(whole) if np.all(np.isfinite(w.astype(np.float64)))), 0)
+    shown = ', '.join(f'{how} {_show(c)}' for how, c in zip(AUX_REDUCTIONS, candidates[first]))
+    if fits:
+      why = (f'its {", ".join(fits)} over the {plan.describe_cuts()} micro-batches all equal its whole-batch value '
+             f'{_show(whole[first])} at the random outputs checked, so these cannot tell how it combines')
+    elif any(np.all(np.isfinite(w.astype(np.float64))) for w in whole):
+      why = (f'it is {_show(whole[first])} on the whole first batch at random outputs ({POINTS[first]}), but no '
+             f'combination of its values on the {plan.describe_cuts()} micro-batches gives that ({shown})')
+    else:
+      why = 'it is not finite at any random outputs checked, so how it combines cannot be told'
+    warnings.warn(f'The metric metrics{path} of loss_fun: {why}. It is combined as a {default} (as the loss is), '
+                  f'and its recorded history may differ from bp.BPTT\'s. Declare how it combines with '
+                  f'aux_reduction={{{name!r}: ...}} (one of {AUX_REDUCTIONS}), make it a per-sample array '
+                  f'(stitched exactly) or a mean over samples, or pass whole_batch_loss=True to compute the metrics '
+                  f'on the whole batch.', UserWarning, stacklevel=3)
+  return found
+
+
+def _reads_the_whole_batch(whole: Sequence[np.ndarray]) -> bool:
+  """Whether a metric that every micro-batch gives the same value (every reduction fits) changes from one point
+  to the next: it reads the whole batch's outputs (a function of batch statistics), so any reduction is exact.
+  (One constant at every point, e.g. of the parameters alone, could still differ at the model's outputs.)"""
+  finite = [w.astype(np.float64) for w in whole if np.all(np.isfinite(w.astype(np.float64)))]
+  return any(w.shape != finite[0].shape or not np.allclose(w, finite[0], rtol=1e-5, atol=1e-6) for w in finite[1:])
+
+
+def warn_metrics(names: Sequence, whole: Sequence[np.ndarray], combined: Sequence[np.ndarray], plan: MicroBatchPlan,
+                 rtol: float = 1e-5, atol: float = 1e-6) -> list:
+  """Warn once for every declared scalar metric whose whole-batch value differs from its declared combination
+  over the micro-batches.
+
+  ``names``: ``(path, name, reduction)`` of each metric. Returns the paths warned about.
+  """
+  warned = []
+  for (path, name, how), w, c in zip(names, whole, combined):
+    if w.shape == c.shape and np.allclose(w.astype(np.float64), c.astype(np.float64), rtol=rtol, atol=atol) \
+        and w.dtype == c.dtype:
+      continue
+    warned.append(path)
+    fix = {'mean': "'sum' for a count, 'max' or 'min' for an extreme", 'sum': "'mean' for a mean over samples"}.get(
+      how, "'mean' or 'sum'")
+    warnings.warn(f'The metric metrics{path} of loss_fun is {_show(w)} on the whole first batch, but its {how!r} over '
+                  f'the {plan.describe_cuts()} micro-batches is {_show(c)}: the recorded history would differ from '
+                  f'bp.BPTT\'s. Declare how it combines with aux_reduction={{{name!r}: ...}} ({fix}), make it a '
+                  f'per-sample array (stitched exactly) or a mean over samples, or pass whole_batch_loss=True to '
+                  f'compute the metrics on the whole batch.', UserWarning, stacklevel=2)
+  return warned
+
+
+def _show(value: np.ndarray) -> str:
+  text = np.array2string(value, precision=7, threshold=6) if value.ndim else f'{value.item():.7g}'
+  return f'{text} ({value.dtype})'
+
+
+def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str, point: str,
+                      rtol: float = 1e-5, atol: float = 1e-6, magnitude: float = 0.,
+                      statistics: Sequence[str] = ()) -> bool:
+  """Warn if the loss of the whole batch differs from the combination of its micro-batch losses, both at the
+  same random outputs (drawn as ``point`` says).
+
+  A loss that is a weighted mean (``'sum'``: a sum) of per-sample terms agrees to float32 round-off at any
+  outputs; one that couples the samples does not. Round-off is relative to the larger of the whole batch's loss
+  and ``magnitude``, the same combination of the micro-batch losses' absolute values (they may cancel where the
+  micro-batches lie at levels of their own). ``statistics``: the names of the batch statistics the loss marks
+  (:func:`~brainpy_accum.batch_mean`), which each micro-batch's loss saw whole. Returns whether it warned.
+  """
+  if abs(whole - combined) <= atol + rtol * max(abs(whole), abs(magnitude)):
+    return False
+  how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
+  warn_coupled(f'its value on the whole batch is {whole:.7g}, but the {how} of its values on the '
+                f'{plan.describe_cuts()} micro-batches is {combined:.7g} (difference {whole - combined:.3g})', point,
+                statistics)
+  return True
+
+
+def warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
+  seen = f'random outputs ({point}) in place of the model\'s, {what}'
+  if statistics:
+    warnings.warn(f'loss_fun couples the samples of a batch beyond its batch statistics '
+                  f'({", ".join(statistics)}, which every micro-batch sees whole): with the first batch\'s data and '
+                  f'{seen}. A term that reads a batch statistic per sample (e.g. mean((x - batch_mean(x)) ** 2)), a '
+                  f'statistic of a statistic, or another mean over the batch left unmarked is not exact over '
+                  f'micro-batches: accumulating their gradients would train another objective. Write it as a function '
+                  f'of batch statistics alone (e.g. batch_mean(x ** 2) - batch_mean(x) ** 2), or pass '
+                  f'whole_batch_loss=True to train the whole-batch loss exactly.', UserWarning, stacklevel=4)
+    return
+  warnings.warn(f'loss_fun couples the samples of a batch: with the first batch\'s data and {seen}. Accumulating '
+                f'micro-batch gradients would train that other objective (e.g. a batch-wide firing-rate regulariser, '
+                f'or a spike count summed over the batch, shrinks with the micro-batch). Two ways train the '
+                f'whole-batch loss exactly: where the coupling is a mean or a sum over the batch (a firing rate), '
+                f'compute it with brainpy_accum.batch_mean(x, axis=...) or batch_sum (each micro-batch then sees the '
+                f'whole batch\'s value, at one micro-batch\'s memory); for any loss, pass whole_batch_loss=True (it '
+                f'keeps the whole batch\'s outputs); or make the loss a mean over samples.', UserWarning, stacklevel=4)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
-from brainpy_accum.trainer._coupled_loss import MEANS_OVER_ELEMENTS, conclude
+from brainpy_accum.trainer._coupled_loss import MEANS_OVER_ELEMENTS, _could_not_check, conclude
 from brainpy_accum.trainer._random_outputs import CheckNames, loss_at_random_outputs
-from helpers import assert_trees_close, make_batches, make_model, params_of
+from helpers import SIMULATED_DEVICE, assert_trees_close, make_batches, make_model, params_of
+from simulated_device import simulated_device
 
 SIZES = (10, 7)
 
@@ -323,3 +324,40 @@ def test_a_batch_in_one_piece_from_the_plan_cache_is_not_checked(tmp_path):
       warnings.simplefilter('error')
       trainer.fit(batches, num_epoch=1)
     assert trainer.plan_for(16).num_micro_batches == 1
+
+
+def wide_batch_normalised(predicts, targets):
+  """:func:`batch_normalised` of a wide read-out: its random outputs, three points of them and their gradients,
+  make the check's program several times the whole batch's outputs."""
+  return batch_normalised(predicts, targets)
+
+
+@SIMULATED_DEVICE
+def test_a_check_the_device_cannot_hold_runs_on_the_first_samples_it_can(monkeypatch):
+  """On the chip the check of a large batch's outputs (e-prop's spikes at 4,096 neurons: 69 GiB) was refused and
+  fit warned with XLA's RESOURCE_EXHAUSTED. Now the check of the batch's first samples, as many as the device
+  holds, runs instead, and still sees the coupling; the train step, which fits, is unchanged."""
+  batch, steps, features, width = 64, 3, 4, 700
+  rng = np.random.default_rng(0)
+  data = [(rng.standard_normal((batch, steps, features)).astype(np.float32),
+           rng.standard_normal((batch, steps, width)).astype(np.float32))]
+  with bm.training_environment():
+    model = bp.Sequential(bp.dyn.RNNCell(features, 8), bp.dnn.Dense(8, width))
+  trainer = AccumBPTT(model, wide_batch_normalised, num_micro_batch=8, progress_bar=False)
+  outputs = batch * steps * width * 4
+  with simulated_device(monkeypatch, 3 * outputs) as refused, warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter('always')
+    trainer.fit(data, num_epoch=1)
+  assert refused and min(refused) > 3 * outputs  # the whole batch's check was refused, and nothing else ran out
+  assert len(_coupled(record)) == 1, [str(w.message) for w in record]
+  assert not [w for w in record if 'Could not check' in str(w.message) or 'RESOURCE' in str(w.message)], [str(w.message) for w in record]
+
+
+def test_a_check_that_no_sample_count_fits_says_so_without_xla_words():
+  error = ValueError('RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. the total memory required for HLO '
+                     'temporaries (68.85G) exceeds available HBM (15.75G).')
+  with pytest.warns(UserWarning, match='Could not check') as record:
+    _could_not_check(error, 512)
+  (message,) = [str(w.message) for w in record]
+  assert '512 samples' in message and '68.8 GiB' in message and 'RESOURCE' not in message
+  assert 'whole_batch_loss=True' in message
