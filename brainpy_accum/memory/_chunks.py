@@ -79,7 +79,7 @@ class Streaming:
     self.plan_chunk, self.plan_whole = plan_chunk, plan_whole
     self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
     self.piece_sizes: set = set()  # of those, the ones streamed in pieces by choice (their data fits the device)
-    self._whole_compiled: Dict[int, PlannedStep] = {}  # see take_whole
+    self._whole_compiled: Dict[int, Tuple[MicroBatchPlan, PlannedStep]] = {}  # see take_whole
 
   def is_streamed(self, batch_size: int, on_device: bool = False) -> bool:
     """Whether a batch of ``batch_size`` is streamed in chunks: one streamed because its data does not fit beside
@@ -133,10 +133,10 @@ class Streaming:
     return not (search.micro_batch_of(piece) is None or self.plans[piece][0].num_micro_batches != 1
                 or self.plans[piece][1] + states > self.budget.bytes())
 
-  def take_whole(self, batch_size: int) -> Optional[PlannedStep]:
-    """The step of a batch of ``batch_size`` in one micro-batch that :meth:`pieces` compiled for training and
-    found to fit (where :func:`~brainpy_accum.memory._budget.compiles_whole_first`), for the planner to keep
-    rather than compile again; ``None`` if there is none. Forgotten once taken."""
+  def take_whole(self, batch_size: int) -> Optional[Tuple[MicroBatchPlan, PlannedStep]]:
+    """``(plan, step)``: the step of a batch of ``batch_size`` in one micro-batch that :meth:`pieces` compiled
+    for training and found to fit (where :func:`~brainpy_accum.memory._budget.compiles_whole_first`), for the
+    planner to keep rather than compile again; ``None`` if there is none. Forgotten once taken."""
     return self._whole_compiled.pop(batch_size, None)
 
   def _fits_whole(self, request) -> bool:
@@ -153,7 +153,7 @@ class Streaming:
       planned = request.compilers.trial(one, *request.batch, False)
     if planned.memory.total > self.budget.bytes():
       return False
-    self._whole_compiled[batch_size] = planned
+    self._whole_compiled[batch_size] = (one, planned)
     return True
 
   def _largest_piece(self, request, search: 'ChunkSearch', states: int) -> Optional[int]:

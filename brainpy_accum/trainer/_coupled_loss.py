@@ -156,8 +156,8 @@ CHECK_SHARE = 0.5
 def _could_not_check(error: Exception, samples: Optional[int] = None) -> None:
   if samples is not None and is_out_of_memory(error):
     why = (f"the check's program, loss_fun at random outputs of {samples} samples, needs "
-           f"{refused_bytes(error, 0) / 2 ** 30:.3g} GiB or more of the device's memory, which does not hold it "
-           f"(nor that of fewer samples)")
+           f"{refused_bytes(error, 0) / 2 ** 30:.3g} GiB or more of the device's memory, more than it holds, with "
+           f"too little room for the check of two samples")
   else:
     why = f'{type(error).__name__}: {str(error)[:200]}'
   warnings.warn(f'Could not check whether loss_fun is a mean over samples ({why}); if it couples the samples of a '
@@ -289,34 +289,40 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
                use_found)
     return None
 
+  with whole_batch_variables(model, plan.batch_size, whole=False) as states:
+    state = [(var, axis, var.value) for var, axis in states]  # the batch's model state, as the check starts
+
   def start(plan: MicroBatchPlan, inputs, targets) -> Optional[RunningCheck]:  # compiled quickly, beside the steps
     return check_in_background(bm.jit(comparing(plan), static_argnums=(0, 1)), shared_args, inputs, targets,
                                variables, plan, reduction, use_found,
-                               lambda error: _first_samples_check(error, model, check_batch, start, plan, inputs,
+                               lambda error: _first_samples_check(error, state, check_batch, start, plan, inputs,
                                                                   targets))
 
   return start(plan, inputs, targets)
 
 
-def _first_samples_check(error: BaseException, model, check_batch: Callable, start: Callable, plan: MicroBatchPlan,
-                         inputs, targets):
+def _first_samples_check(error: BaseException, state: Sequence, check_batch: Callable, start: Callable,
+                         plan: MicroBatchPlan, inputs, targets):
   """Where the device could not hold the check of a batch cut by ``plan`` (``error``), the check of its first
   samples, as many as it holds (:func:`_samples_held`), cut in micro-batches of the plan's size (in two where they
-  are fewer), from their slice of the model state: ``start(plan, inputs, targets)``'s :class:`RunningCheck`;
-  ``None`` where no two samples fit, :data:`_WARNED` where it could not start (and said so)."""
+  are fewer), from their slice of the batch's model ``state`` as the first check started (``(Variable, batch axis,
+  value)``; the model may hold another by now: a streamed batch's piece, a chunk being planned), put back after:
+  ``start(plan, inputs, targets)``'s :class:`RunningCheck`; ``None`` where no two samples fit, :data:`_WARNED`
+  where it could not start (and said so)."""
   size = _samples_held(error, plan.batch_size)
   if size is None:
     return None
   layout = check_batch(inputs, targets)
   cut = plan_micro_batches(size, micro_batch_size=plan.micro_batch_size) if plan.micro_batch_size < size \
       else plan_micro_batches(size, num_micro_batch=2)
-  with whole_batch_variables(model, plan.batch_size) as states, values_restored([var for var, _ in states]):
-    for var, axis in states:
-      var.value = jax.lax.slice_in_dim(bm.as_jax(var.value), 0, size, axis=axis)
+  with values_restored([var for var, _, _ in state]):
+    for var, axis, value in state:  # (one sample held for all stays one)
+      value = bm.as_jax(value)
+      var.value = value if value.shape[axis] == 1 else jax.lax.slice_in_dim(value, 0, size, axis=axis)
     running = start(cut, host_chunk(inputs, layout.input_axes, 0, size), host_chunk(targets, layout.target_axes,
                                                                                      0, size))
   return _WARNED if running is None else running
-  return None
+
 
 def _samples_held(error: BaseException, batch_size: int) -> Optional[int]:
   """Of a check of ``batch_size`` samples that the device could not hold (``error``), the samples whose check

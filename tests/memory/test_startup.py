@@ -20,6 +20,7 @@ from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes
 from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
 from brainpy_accum.memory._plan_key import _code
 from brainpy_accum.memory._stream import chunk_sizes
+from brainpy_accum.trainer._compiled_steps import CompiledSteps
 from brainpy_accum.trainer._feed import overlapping
 from helpers import TINY_SIZES, assert_trees_close, make_batches, make_model, params_of
 
@@ -338,6 +339,23 @@ def test_whole_first_a_batch_that_fits_is_compiled_once_and_one_that_does_not_pl
   else:  # the same candidates, measured alike (which wins is timed)
     weighed = lambda trainer: [c[:4] for c in trainer.planner.weighed_plans[SIZE]]  # noqa: E731
     assert weighed(tight) == weighed(planned)
+
+
+def test_whole_first_a_cached_plan_of_a_batch_sent_ahead_is_compiled_once(data, tmp_path, monkeypatch):
+  """A TPU's path with the plan cache: the rerun's whole-batch step, compiled for training to decide whether to
+  stream the batch in pieces, is the cached plan's step: compiled once, not again for the cache."""
+  batches = data[0]
+  trials = []
+  real = CompiledSteps._compiled_for_training
+  monkeypatch.setattr(CompiledSteps, '_compiled_for_training',
+                      lambda self, plan, *args, **kwargs: trials.append(plan) or real(self, plan, *args, **kwargs))
+  for run in ('first', 'rerun'):
+    trials.clear()
+    trainer = _trainer(num_micro_batch='auto', memory_budget='1GiB', cache=tmp_path)
+    with whole_first(True), overlapping(True):
+      trainer.fit(batches, num_epoch=1)
+    assert trainer.plan_for(SIZE).num_micro_batches == 1
+    assert [plan.micro_batch_size for plan in trials] == [SIZE], (run, trials)
 
 
 def test_whole_first_plans_pieces_sent_ahead_and_trains_as_the_fixed_plan(data):

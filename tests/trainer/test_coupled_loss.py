@@ -12,6 +12,7 @@ import pytest
 
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.trainer._coupled_loss import MEANS_OVER_ELEMENTS, _could_not_check, conclude
+from brainpy_accum.trainer._feed import overlapping
 from brainpy_accum.trainer._random_outputs import CheckNames, loss_at_random_outputs
 from helpers import SIMULATED_DEVICE, assert_trees_close, make_batches, make_model, params_of
 from simulated_device import simulated_device
@@ -333,22 +334,28 @@ def wide_batch_normalised(predicts, targets):
 
 
 @SIMULATED_DEVICE
-def test_a_check_the_device_cannot_hold_runs_on_the_first_samples_it_can(monkeypatch):
+@pytest.mark.parametrize('streamed', [False, pytest.param(True, marks=pytest.mark.long)])
+def test_a_check_the_device_cannot_hold_runs_on_the_first_samples_it_can(monkeypatch, streamed):
   """On the chip the check of a large batch's outputs (e-prop's spikes at 4,096 neurons: 69 GiB) was refused and
   fit warned with XLA's RESOURCE_EXHAUSTED. Now the check of the batch's first samples, as many as the device
-  holds, runs instead, and still sees the coupling; the train step, which fits, is unchanged."""
+  holds, runs instead, and still sees the coupling; the train step, which fits, is unchanged. ``streamed``: the
+  chip's way with a host batch planned by 'auto' (pieces sent ahead): the check finishes while the model holds a
+  piece's state, and reads the batch's state it started from."""
   batch, steps, features, width = 64, 3, 4, 700
   rng = np.random.default_rng(0)
   data = [(rng.standard_normal((batch, steps, features)).astype(np.float32),
            rng.standard_normal((batch, steps, width)).astype(np.float32))]
   with bm.training_environment():
     model = bp.Sequential(bp.dyn.RNNCell(features, 8), bp.dnn.Dense(8, width))
-  trainer = AccumBPTT(model, wide_batch_normalised, num_micro_batch=8, progress_bar=False)
   outputs = batch * steps * width * 4
-  with simulated_device(monkeypatch, 3 * outputs) as refused, warnings.catch_warnings(record=True) as record:
+  with simulated_device(monkeypatch, 3 * outputs) as refused, overlapping(streamed), \
+       warnings.catch_warnings(record=True) as record:
     warnings.simplefilter('always')
+    trainer = AccumBPTT(model, wide_batch_normalised, num_micro_batch='auto' if streamed else 8, cache=False,
+                        progress_bar=False)
     trainer.fit(data, num_epoch=1)
-  assert refused and min(refused) > 3 * outputs  # the whole batch's check was refused, and nothing else ran out
+  assert bool(trainer.stream_chunks) == streamed
+  assert refused and max(refused) > 3 * outputs  # the whole batch's check was refused
   assert len(_coupled(record)) == 1, [str(w.message) for w in record]
   assert not [w for w in record if 'Could not check' in str(w.message) or 'RESOURCE' in str(w.message)], [str(w.message) for w in record]
 

@@ -418,8 +418,9 @@ def _record_memory(run: Run, trainer: bp.BPTT) -> None:
     return
   plan, step_bytes = planned
   text = f'{plan.num_micro_batches} micro-batch{"es" if plan.num_micro_batches > 1 else ""} ({plan.describe_cuts()})'
-  if streamed is not None:
-    text = f'streamed in pieces of {streamed}, each {text}'
+  if streamed is not None:  # (in pieces by choice, a host batch sent ahead; in chunks where its data does not fit)
+    text = f"streamed in {'pieces' if run.config.batch in trainer.planner.piece_sizes else 'chunks'} of {streamed}, " \
+           f'each {text}'
   run.record['memory']['plan'] = {'num_micro_batches': plan.num_micro_batches, 'step_bytes': step_bytes,
                                   'micro_batch_size': plan.micro_batch_size, 'streamed': streamed, 'text': text}
 
