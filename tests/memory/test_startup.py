@@ -341,6 +341,7 @@ def test_whole_first_a_batch_that_fits_is_compiled_once_and_one_that_does_not_pl
     assert weighed(tight) == weighed(planned)
 
 
+@pytest.mark.long  # about 5 s: two fits; README suite time
 def test_whole_first_a_cached_plan_of_a_batch_sent_ahead_is_compiled_once(data, tmp_path, monkeypatch):
   """A TPU's path with the plan cache: the rerun's whole-batch step, compiled for training to decide whether to
   stream the batch in pieces, is the cached plan's step: compiled once, not again for the cache."""
