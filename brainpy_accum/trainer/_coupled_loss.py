@@ -82,6 +82,7 @@ MEANS_OVER_ELEMENTS = (bp.losses.mean_squared_error, bp.losses.mean_absolute_err
 # errors, per-sample regularisers; batches up to 256 x 100 x 64, 2 to 7 micro-batches); a coupling at LEVELS moves
 # them by a share of the gap between the levels (measured 0.33 to 0.45 for a squared batch-wide mean).
 GRAD_RTOL = 1e-4
+WHOLE = 'the whole batch'  # what the check compares with its micro-batches, as its warnings name it
 GRAD_TINY = 1e-30  # differences below this are underflow, not a coupling
 
 
@@ -109,19 +110,22 @@ def _use(found: Dict[str, str], use_found: Optional[Callable[[Dict[str, str]], N
     use_found(found)
 
 
-def conclude(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan, reduction: str) -> Dict[str, str]:
+def conclude(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan, reduction: str,
+             on: str = WHOLE) -> Dict[str, str]:
   """Warn about the loss and its declared metrics from the check's ``evidence``, decide how each undeclared
   scalar metric combines and where each stitched metric's rows lie, and return those decisions that differ from
   the defaults (the loss's own combination; time-major rows), by the leaf's path, which the train step then uses.
-  A stitched metric whose rows cannot be placed is refused (:func:`~brainpy_accum.core._metrics.found_orders`)."""
+  A stitched metric whose rows cannot be placed is refused (:func:`~brainpy_accum.core._metrics.found_orders`).
+  ``on``: the samples checked, as the warnings name them."""
   found = found_orders(names.stitched, evidence.stitched, plan.describe_cuts())
-  warn_if_coupled(evidence, names, plan, reduction)
+  warn_if_coupled(evidence, names, plan, reduction, on)
   whole, combined = evidence.metrics
   warn_metrics(names.metrics, [np.asarray(v) for v in whole], [np.asarray(v) for v in combined], plan)
   return {**found_reductions(names.undecided, evidence.undecided, plan, reduction), **found}
 
 
-def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan, reduction: str) -> None:
+def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan, reduction: str,
+                    on: str = WHOLE) -> None:
   """Warn once if the loss of the whole batch is not the combination of its micro-batch losses: in value at any of
   :data:`POINTS`, or in its gradient with respect to an output at :data:`LEVELS`."""
   whole, combined = np.asarray(evidence.whole, np.float64), np.asarray(evidence.combined, np.float64)
@@ -134,12 +138,12 @@ def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan,
     return
   for point in usable:
     if warn_coupled_loss(whole[point], combined[point], plan, reduction, POINTS[point], magnitude=magnitude[point],
-                         statistics=names.statistics):
+                         statistics=names.statistics, on=on):
       return
   if evidence.gaps is not None and LEVELS in usable:
     for path, (difference, scale) in zip(names.leaves, np.asarray(evidence.gaps, np.float64)):
       if difference > GRAD_RTOL * scale and difference > GRAD_TINY:
-        warn_coupled(f'its gradient with respect to {path} on the whole batch differs from the gradient of the '
+        warn_coupled(f'its gradient with respect to {path} on {on} differs from the gradient of the '
                       f'{"sum" if reduction == "sum" else "weighted mean"} of its values on the '
                       f'{plan.describe_cuts()} micro-batches by up to {difference / scale:.3g} of its largest entry '
                       f'(the loss itself: {whole[LEVELS]:.7g} and {combined[LEVELS]:.7g})', POINTS[LEVELS],
@@ -170,8 +174,8 @@ class RunningCheck:
 
   def __init__(self, lowered, values, inputs, targets, names: 'CheckNames', plan: MicroBatchPlan, reduction: str,
                use_found: Optional[Callable[[Dict[str, str]], None]],
-               fewer: Optional[Callable[[BaseException], Optional['RunningCheck']]] = None):
-    self._names, self._plan, self._reduction, self._use_found = names, plan, reduction, use_found
+               fewer: Optional[Callable[[BaseException], Optional['RunningCheck']]] = None, on: str = WHOLE):
+    self._names, self._plan, self._reduction, self._use_found, self._on = names, plan, reduction, use_found, on
     self._fewer = fewer  # where the device cannot hold the check: the check of fewer samples, started (or None)
     self._instead: Optional[RunningCheck] = None  # that check, once started
     self._done: dict = {}
@@ -209,7 +213,7 @@ class RunningCheck:
     if not self._reported:
       with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        _use(conclude(self._done['result'], self._names, self._plan, self._reduction), self._use_found)
+        _use(conclude(self._done['result'], self._names, self._plan, self._reduction, self._on), self._use_found)
       self._reported.append(caught)
     if report:
       for warning in self._reported[0]:
@@ -218,7 +222,7 @@ class RunningCheck:
 
 def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan,
                         reduction: str, use_found: Optional[Callable[[Dict[str, str]], None]] = None,
-                        fewer: Optional[Callable] = None) -> Optional[RunningCheck]:
+                        fewer: Optional[Callable] = None, on: str = WHOLE) -> Optional[RunningCheck]:
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
   values of now: the :class:`RunningCheck`, whose ``finish(report=True)`` waits for it and warns. XLA compiles
@@ -229,7 +233,8 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
   Where the loss has undeclared scalar metrics or stitched ones, the train step must know how they combine
   before it is traced (and a stitched metric whose rows cannot be placed must be refused before any step): then
   the check is waited for here, what it found handed to ``use_found``, and ``finish`` only warns. ``fewer(error)``:
-  where the device cannot hold the check, the check of fewer samples (see :class:`RunningCheck`)."""
+  where the device cannot hold the check, the check of fewer samples (see :class:`RunningCheck`); ``on``: the
+  samples checked, as the warnings name them."""
   names = CheckNames()
   with values_restored(variables):
     try:
@@ -241,7 +246,7 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
     except Exception as error:
       _could_not_check(error)
       return None
-  running = RunningCheck(lowered, values, inputs, targets, names, plan, reduction, use_found, fewer)
+  running = RunningCheck(lowered, values, inputs, targets, names, plan, reduction, use_found, fewer, on)
   if names.undecided or names.stitched:  # the step to be traced next combines them as found
     running.finish(report=False)
   return running
@@ -292,11 +297,13 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
   with whole_batch_variables(model, plan.batch_size, whole=False) as states:
     state = [(var, axis, var.value) for var, axis in states]  # the batch's model state, as the check starts
 
-  def start(plan: MicroBatchPlan, inputs, targets) -> Optional[RunningCheck]:  # compiled quickly, beside the steps
-    return check_in_background(bm.jit(comparing(plan), static_argnums=(0, 1)), shared_args, inputs, targets,
-                               variables, plan, reduction, use_found,
-                               lambda error: _first_samples_check(error, state, check_batch, start, plan, inputs,
-                                                                  targets))
+  def start(cut: MicroBatchPlan, inputs, targets) -> Optional[RunningCheck]:  # compiled quickly, beside the steps
+    on = WHOLE if cut.batch_size == plan.batch_size else (
+      f"the batch's first {cut.batch_size} of its {plan.batch_size} samples (the device cannot hold the check of all)")
+    return check_in_background(bm.jit(comparing(cut), static_argnums=(0, 1)), shared_args, inputs, targets,
+                               variables, cut, reduction, use_found,
+                               lambda error: _first_samples_check(error, state, check_batch, start, cut, inputs,
+                                                                  targets), on)
 
   return start(plan, inputs, targets)
 

@@ -421,7 +421,7 @@ def _show(value: np.ndarray) -> str:
 
 def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str, point: str,
                       rtol: float = 1e-5, atol: float = 1e-6, magnitude: float = 0.,
-                      statistics: Sequence[str] = ()) -> bool:
+                      statistics: Sequence[str] = (), on: str = 'the whole batch') -> bool:
   """Warn if the loss of the whole batch differs from the combination of its micro-batch losses, both at the
   same random outputs (drawn as ``point`` says).
 
@@ -429,12 +429,13 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
   outputs; one that couples the samples does not. Round-off is relative to the larger of the whole batch's loss
   and ``magnitude``, the same combination of the micro-batch losses' absolute values (they may cancel where the
   micro-batches lie at levels of their own). ``statistics``: the names of the batch statistics the loss marks
-  (:func:`~brainpy_accum.batch_mean`), which each micro-batch's loss saw whole. Returns whether it warned.
+  (:func:`~brainpy_accum.batch_mean`), which each micro-batch's loss saw whole; ``on``: the samples checked,
+  as the warning names them. Returns whether it warned.
   """
   if abs(whole - combined) <= atol + rtol * max(abs(whole), abs(magnitude)):
     return False
   how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
-  warn_coupled(f'its value on the whole batch is {whole:.7g}, but the {how} of its values on the '
+  warn_coupled(f'its value on {on} is {whole:.7g}, but the {how} of its values on the '
                 f'{plan.describe_cuts()} micro-batches is {combined:.7g} (difference {whole - combined:.3g})', point,
                 statistics)
   return True
