@@ -342,6 +342,7 @@ class Planner:
     batch_size, share = request.layout.batch_size, self.share_size(request.layout.batch_size)
     key = self.cached.key(request.batch, via_window, modelled=request.step_time is not None)
     whole = None if via_window else self.streaming.take_whole(batch_size)  # (compiled by the pieces' decision)
+    whole_step = None if whole is None else whole[1]
     if self._plan_from_cache(key, request, via_window, unkept, whole):
       self._note_window(batch_size, via_window)
       return
@@ -349,10 +350,10 @@ class Planner:
       if self.remat == 'auto':
         size, used, remat, planned = fastest_fitting(share, self.budget, request.compilers, request.batch, via_window,
                                                      step_time=request.step_time, named=self.budget_of.named(),
-                                                     weighed_plans=self.weighed_plans, whole=whole and whole[1])
+                                                     weighed_plans=self.weighed_plans, whole=whole_step)
       else:
         (size, used, planned), remat = fewest_fitting(share, self.budget, request.compilers, request.batch,
-                                                      via_window, whole and whole[1]), None
+                                                      via_window, whole_step), None
     except ValueError as error:
       if isinstance(error, TooSmall) and self.budget_of.from_device:  # no memory_budget to raise: other fixes
         error = self.budget_of.too_small(f'batch {batch_size}, even at one sample per micro-batch,', error.need)
@@ -377,8 +378,8 @@ class Planner:
     A cached plan is never trusted: the step is compiled (for training where fit can run it, quickly
     otherwise) and must fit the budget by XLA's measure, else a one-line warning and planning anew. A cached
     'does not fit' (the same step measured by an earlier run) raises its error again, for streaming to go on.
-    ``whole``: ``(plan, step)`` compiled for training already (:meth:`~brainpy_accum.memory._chunks.Streaming.take_whole`), used if it is the
-    cached plan's.
+    ``whole``: ``(plan, step)`` compiled for training already
+    (:meth:`~brainpy_accum.memory._chunks.Streaming.take_whole`), used if it is the cached plan's.
     """
     batch_size = request.layout.batch_size
     cached = self.cached.plan(key, batch_size, self.share_size(batch_size))

@@ -54,7 +54,7 @@ import numpy as np
 
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._metrics import MetricsError, found_orders
-from ..core._states import values_restored, whole_batch_variables
+from ..core._states import batched_variables, values_restored, whole_batch_variables
 from ..memory import _device
 from ..memory._device import is_out_of_memory, refused_bytes
 from ..memory._stream import host_chunk
@@ -62,7 +62,7 @@ from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_bat
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
 from ..diagnostics._phases import phase
 from ._fit_check import NO_CHECK, PendingCheck
-from ._random_outputs import (LEVELS, POINTS, CheckNames, Evidence, found_reductions, loss_at_random_outputs,
+from ._random_outputs import (LEVELS, POINTS, WHOLE, CheckNames, Evidence, found_reductions, loss_at_random_outputs,
                               warn_coupled, warn_coupled_loss, warn_metrics)
 
 __all__ = ['MEANS_OVER_ELEMENTS', 'CheckParts', 'FirstBatchCheck', 'RunningCheck', 'check_first_batch', 'check_in_background',
@@ -82,7 +82,6 @@ MEANS_OVER_ELEMENTS = (bp.losses.mean_squared_error, bp.losses.mean_absolute_err
 # errors, per-sample regularisers; batches up to 256 x 100 x 64, 2 to 7 micro-batches); a coupling at LEVELS moves
 # them by a share of the gap between the levels (measured 0.33 to 0.45 for a squared batch-wide mean).
 GRAD_RTOL = 1e-4
-WHOLE = 'the whole batch'  # what the check compares with its micro-batches, as its warnings name it
 GRAD_TINY = 1e-30  # differences below this are underflow, not a coupling
 
 
@@ -294,8 +293,8 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
                use_found)
     return None
 
-  with whole_batch_variables(model, plan.batch_size, whole=False) as states:
-    state = [(var, axis, var.value) for var, axis in states]  # the batch's model state, as the check starts
+  # the batch's model state as the check starts, for a check of fewer samples (the model may hold another then)
+  state = [(var, axis, var.value) for var, axis in batched_variables(model, plan.batch_size).values()]
 
   def start(cut: MicroBatchPlan, inputs, targets) -> Optional[RunningCheck]:  # compiled quickly, beside the steps
     on = WHOLE if cut.batch_size == plan.batch_size else (

@@ -32,8 +32,11 @@ from ..core._metrics import (AUX_REDUCTIONS, ORDERS, MetricPlan, default_reducti
 from ..core._batch import first_samples
 from ..core._two_pass import second_sizes, traced_shapes
 
-__all__ = ['CheckNames', 'Evidence', 'LEVELS', 'POINTS', 'found_reductions', 'loss_at_random_outputs', 'random_outputs',
-           'warn_coupled', 'warn_coupled_loss', 'warn_metrics']
+__all__ = ['CheckNames', 'Evidence', 'LEVELS', 'POINTS', 'WHOLE', 'found_reductions', 'loss_at_random_outputs',
+           'random_outputs', 'warn_coupled', 'warn_coupled_loss', 'warn_metrics']
+
+
+WHOLE = 'the whole batch'  # what the check compares with its micro-batches, as its warnings name it
 
 
 # Where the loss is evaluated in place of the model's outputs: (name in the warning, how each leaf is drawn).
@@ -421,7 +424,7 @@ def _show(value: np.ndarray) -> str:
 
 def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_reduction: str, point: str,
                       rtol: float = 1e-5, atol: float = 1e-6, magnitude: float = 0.,
-                      statistics: Sequence[str] = (), on: str = 'the whole batch') -> bool:
+                      statistics: Sequence[str] = (), on: str = WHOLE) -> bool:
   """Warn if the loss of the whole batch differs from the combination of its micro-batch losses, both at the
   same random outputs (drawn as ``point`` says).
 
