@@ -179,6 +179,13 @@ def first_samples(x, axis: int, n: int):
   return jnp.concatenate([x, jnp.zeros(pad, x.dtype)], axis=axis)
 
 
+def _samples_shape(x, axis: int, n: int) -> jax.ShapeDtypeStruct:
+  """The shape and dtype of :func:`first_samples` ``(x, axis, n)``, without running it: a trace needs no more (a
+  slice of host data run would copy it to the device and compile the slice, on every batch shape)."""
+  shape = tuple(x.shape[:axis]) + (n,) + tuple(x.shape[axis + 1:])
+  return jax.ShapeDtypeStruct(shape, x.dtype, weak_type=bool(getattr(x, 'weak_type', False)))
+
+
 def traced_shapes(forward: Callable, args: tuple, axes, states: Sequence[Tuple[Any, int]], sizes):
   """The shapes of ``forward(micro_args, n)`` for each ``n`` in ``sizes``: traced only, nothing changes.
 
@@ -194,7 +201,7 @@ def traced_shapes(forward: Callable, args: tuple, axes, states: Sequence[Tuple[A
         state.value = first_samples(value, axis, n)
       return forward(treedef.unflatten(cut), n)
 
-    cut = [x if a is None else first_samples(x, a, n) for x, a in zip(leaves, axes)]
+    cut = [x if a is None else _samples_shape(x, a, n) for x, a in zip(leaves, axes)]
     traced = brainstate.transform.StatefulFunction(run, return_only_write=False)
     traced.make_jaxpr(*cut)
     return traced.get_out_shapes(*cut)[0]
