@@ -41,12 +41,15 @@ OTHER_PARTS = ('device',)  # run when named: accelerator.md
 
 def configs(workload: str, shape: Shape, quick: bool, column: bool = False) -> List[dict]:
   """Every plan of AccumBPTT (N micro-batches, with and without remat) and the methods it is compared with;
-  ``column``: only bp.BPTT, AccumBPTT and plain JAX at N = 2, 4, 8 and plain JAX at 1."""
+  ``column``: only bp.BPTT, AccumBPTT and plain JAX at N = 2, 4, 8 and plain JAX at 1, and bp.BPTT and plain
+  JAX at each N's micro-batch (one step of the batch divided by N: the model's own cost at that size)."""
   base = {'workload': workload, 'shape': list(shape)}
   if column:
     out = [dict(base, method='bptt', num_micro_batch=1), dict(base, method='jax', num_micro_batch=1)]
     for n in ((2,) if quick else (2, 4, 8)):
       out += [dict(base, method='accum', num_micro_batch=n, remat=False), dict(base, method='jax', num_micro_batch=n)]
+      out += [dict(base, shape=list(shape._replace(batch=shape.batch // n)), method=method, num_micro_batch=1,
+                   at_micro_batch=n) for method in ('bptt', 'jax')]
     return out
   ns = (1, 2) if quick else (1, 2, 4, 8, 16)
   compared = (2,) if quick else (2, 4, 8)

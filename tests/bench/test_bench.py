@@ -91,7 +91,32 @@ def test_column_divides_out_what_micro_batching_costs_plain_jax_round_by_round()
              dict(base, method='accum', num_micro_batch=2, step_times=[1.5, 3., 1.5]),  # 1.5 x bp.BPTT each round
              dict(base, method='jax', num_micro_batch=2, step_times=[1.2, 1.2, 2.4])]  # 1.2 x plain JAX(1)
   row = [line for line in ratios(results, 'w') if line.startswith('| 2 |')][0]
-  assert row.endswith('| 1.250 |')  # 1.5 / 1.2 in every round
+  assert row.endswith('| 1.250 | - | - |')  # 1.5 / 1.2 in every round; no steps at the micro-batch measured
+
+
+def test_steps_at_the_micro_batch_tell_the_models_cost_from_accumulations():
+  """With bp.BPTT and plain JAX timed at N's micro-batch (``--column``): the ratio of the two there is the
+  BrainPy model's own cost at that size, and AccumBPTT against N of bp.BPTT's steps there is accumulation's; a
+  miss against plain JAX names both."""
+  from brainpy_accum.bench.__main__ import configs
+  from brainpy_accum.bench.report import ratios, table, targets
+  small = list(TINY._replace(batch=TINY.batch // 2))
+  base = dict(workload='w', shape=list(TINY), remat=False, memory={'temp': 1, 'argument': 1, 'output': 1}, step_s=1,
+              compilations=1)
+  results = [dict(base, method='bptt', num_micro_batch=1, step_times=[1., 1., 1.]),
+             dict(base, method='jax', num_micro_batch=1, step_times=[1., 1., 1.]),
+             dict(base, method='accum', num_micro_batch=2, step_times=[2.2, 2.2, 2.2]),
+             dict(base, method='jax', num_micro_batch=2, step_times=[2., 2., 2.]),  # AccumBPTT 1.1 x plain JAX
+             dict(base, shape=small, method='bptt', num_micro_batch=1, at_micro_batch=2, step_times=[1.2, 1.2, 1.2]),
+             dict(base, shape=small, method='jax', num_micro_batch=1, at_micro_batch=2, step_times=[1., 1., 1.])]
+  row = [line for line in ratios(results, 'w') if line.startswith('| 2 |')][0]
+  assert row.endswith('| 1.200 | 0.917 |')  # the model 1.2 x plain JAX there; 2.2 / (2 x 1.2)
+  missed = [line for line in targets(results, {}, 'w') if 'plain JAX + optax at N=2' in line][0]
+  assert '**missed**' in missed and f'at the micro-batch ({small[0]}) bp.BPTT alone takes 1.200 x' in missed
+  assert f'| bp.BPTT at batch {small[0]} (N=2\'s micro-batch) | 1 |' in '\n'.join(table(results, 'w'))
+  references = [c for c in configs('w', TINY, quick=False, column=True) if c.get('at_micro_batch')]
+  assert [(c['method'], c['at_micro_batch'], c['shape'][0]) for c in references] == [
+    (m, n, TINY.batch // n) for n in (2, 4, 8) for m in ('bptt', 'jax')]
 
 
 def test_last_step_workload_in_plain_jax_is_the_cross_entropy_of_the_last_read_out():
@@ -122,6 +147,17 @@ def test_startup_table_states_ratios_compilations_and_targets():
   assert '|  | rerun | 1.50 | 1.50 (1.40 - 1.60) | 0.75 | 1.50 (1.40 - 1.60) | 11 | <= 1.5 |' in text
   assert 'first: 1.75 x bp.BPTT (target <= 1.6): **missed**' in text
   assert 'rerun: 1.50 x bp.BPTT (target <= 1.5): met' in text
+
+
+def test_startup_client_run_is_judged_by_its_own_target_and_names_the_device():
+  from brainpy_accum.bench.startup import CLIENT_TARGETS, startup_section
+  run = lambda s: {'seconds': s, 'cpu_seconds': s, 'compilations': 11, 'plan': {}, 'device': 'TPU v5 lite (tpu)'}
+  results = {'bp.BPTT': {'first': [run(2.), run(2.)], 'rerun': [run(1.), run(1.)]},
+             "'auto', memory_budget='24MiB'": {'first': [run(3.2), run(2.8)], 'rerun': [run(1.), run(1.)]}}
+  text = startup_section(results, targets=CLIENT_TARGETS)
+  assert text.startswith('Device: TPU v5 lite (tpu).')
+  assert "'auto', memory_budget='24MiB', first: 1.50 x bp.BPTT (target <= 1.5): met" in text
+  assert 'rerun: 1.00 x' not in text  # no target for the client's rerun
 
 
 def test_startup_table_gives_the_first_runs_by_phase():
