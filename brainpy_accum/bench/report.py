@@ -135,7 +135,8 @@ def targets(results: List[dict], largest: Dict[str, Dict[str, int]], workload: s
       ratio = statistics.median(_column_ratios(mine, base, jax_n, jax_1))
       lines.append(f'- [AccumBPTT(N) / bp.BPTT] / [plain JAX(N) / plain JAX(1)] at N={n}: '
                    f'{_cost_of_micro_batching_divided_out(mine, base, jax_n, jax_1)} (target <= {COLUMN_LIMIT}): '
-                   f'{_check(ratio <= COLUMN_LIMIT)}{_model_cost(results, workload, n) if ratio > COLUMN_LIMIT else ""}')
+                   f'{_check(ratio <= COLUMN_LIMIT)}'
+                   f'{_model_cost(results, workload, n) if ratio > COLUMN_LIMIT else ""}')
   for other, limit in (('jax', JAX_LIMIT), ('recipe', RECIPE_LIMIT)):
     for n in RATIO_NS:
       mine, theirs = _find(results, workload, 'accum', n), _find(results, workload, other, n)
@@ -381,15 +382,20 @@ STARTUP_PHASES = (('planning probes', 'probes'), ('planned step compiles', 'plan
 
 
 def _host_copy_table(copies: List[dict]) -> List[str]:
-  """GB/s of a piece's copy to the device out of host arrays, by way and slices (``--host-copy``)."""
+  """GB/s of a piece's copy to the device out of host arrays, by way and slices (``--host-copy``); a kind of
+  slices a run did not measure (older runs: no "written earlier") is ``-``."""
   piece = copies[0]['piece_bytes'] / 2 ** 20
+  kinds = ('untouched', 'written earlier', 'touched')
   out = ['### A piece copied to the device out of a host array (plain JAX)', '',
          f'`--host-copy`: a piece of {piece:.0f} MiB out of float32 host arrays; GB/s, the median of copies of '
-         'different slices; "untouched": pages never written since the array was made, "touched": written just '
-         'before the copy.', '', '| host array | way | untouched GB/s | touched GB/s |', '|---|---|---|---|']
+         'different slices; "untouched": pages never written since the array was made, "written earlier": the '
+         'array written once before the copies (a batch made before training: the feed\'s case), "touched": '
+         'written just before the copy.', '', '| host array | way | ' + ' | '.join(f'{k} GB/s' for k in kinds) + ' |',
+         '|---|---|---|---|---|']
   cells = {(c['host_gb'], c['way'], c['slices']): c for c in copies}
   for gb, way in dict.fromkeys((c['host_gb'], c['way']) for c in copies):
-    out.append(f"| {gb:g} GB | {way} | {_rate(cells[gb, way, 'untouched'])} | {_rate(cells[gb, way, 'touched'])} |")
+    out.append(f"| {gb:g} GB | {way} | " + ' | '.join(_rate(cells[gb, way, k]) if (gb, way, k) in cells else '-'
+                                                       for k in kinds) + ' |')
   return out + ['']
 
 
@@ -446,9 +452,10 @@ compilations for training (the kept one is the step's own compilation), trial st
 the first-batch check, the steps' compilations outside planning, and the runs with the rest (transfers, the loop);
 "beside" is the check compiling on its own thread. AccumBPTT's first epoch is set against bp.BPTT's at the same
 batch, or, where bp.BPTT does not fit, at its largest batch that does (marked `*`). `--host-copy 4 8 16` measures,
-in plain JAX, a piece's copy to the device out of host arrays of those sizes (GB): directly, from 4 threads,
-staged in a reused or a fresh host buffer, and through JAX's `pinned_host` memory, from slices written just
-before and from pages never touched since the array was made.
+in plain JAX, a piece's copy to the device out of host arrays of those sizes (GB): directly, from 4 or 8
+threads (8: fit's way), staged in a reused or a fresh host buffer, and through JAX's `pinned_host` memory, from
+slices written just before, written once before any copy (a batch made before training: the feed's case) and
+pages never touched since the array was made (runs before 2026-12-07 measured the first and the last only).
 
 The ratios against bp.BPTT's best speed on device batches are the issue's measure. `--holds BATCH` also trains
 one batch after planning it with 60% and 30% of the device held by an array. FLOP/s count the matmuls:

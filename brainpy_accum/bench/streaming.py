@@ -15,6 +15,7 @@ JAX, a piece's copy to the device out of host arrays of several sizes: the limit
 """
 
 import argparse
+import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,7 @@ def streaming_section(workload: str = 'rnn', shape: Shape = SHAPE, budget: int =
 
 # How a piece is copied out of a host array (:func:`measure_host_copy`): (name, staging, threads)
 COPY_WAYS = (('direct, one thread', None, 1), ('direct, 4 threads', None, 4),
+             ('direct, 8 threads (fit\'s way)', None, 8),
              ('staged in a reused host buffer', 'reused', 1), ('staged in a fresh host buffer', 'fresh', 1),
              ('pinned host buffer, then the device', 'pinned', 1))
 
@@ -119,28 +121,36 @@ def _copy_piece(piece: np.ndarray, staging: Optional[str], threads: int, reused:
 def measure_host_copy(host_gb: Sequence[float] = (4, 8, 16), piece_mb: float = 512, repeats: int = 5,
                       quiet: bool = False) -> List[dict]:
   """Plain JAX: a piece of ``piece_mb`` MB copied to the default device out of a float32 host array of each of
-  ``host_gb`` GB, in each way of :data:`COPY_WAYS`, from slices touched (written just before) and untouched
-  (pages never written since the array was made: the copy faults them in); the median of ``repeats`` copies,
-  each of another slice. A row per (host size, way, slices): ``seconds`` and ``gb_per_s`` (or ``error``),
-  each also printed unless ``quiet``.
+  ``host_gb`` GB, in each way of :data:`COPY_WAYS`, from slices of three kinds: untouched (pages never written
+  since the array was made: the copy faults them in; a slice copied again was faulted in by the copy before),
+  written earlier (written once, before any of these copies, as a batch made at the start of training is: the
+  feed's case) and touched (written just before the copy). Each kind has its own third of the array's slices,
+  copied in turn (``distinct_slices`` in its rows: an array of fewer slices than copies copies some again); the
+  median of ``repeats`` copies. A row per (host size, way, slices): ``seconds`` and ``gb_per_s`` (or
+  ``error``), each also printed unless ``quiet``.
 
   Examples
   --------
   >>> rows = measure_host_copy(host_gb=(0.0005,), piece_mb=0.05, repeats=1, quiet=True)
   >>> sorted({row['slices'] for row in rows}), all(row['gb_per_s'] > 0 for row in rows)
-  (['touched', 'untouched'], True)
+  (['touched', 'untouched', 'written earlier'], True)
   """
   device, rows = jax.devices()[0], []
   for gb in host_gb:
     host = np.zeros((int(gb * 2 ** 30) // 4,), np.float32)  # zero pages, mapped when first touched
-    size = min(int(piece_mb * 2 ** 20) // 4, host.size // 2)
+    size = min(int(piece_mb * 2 ** 20) // 4, host.size // 3)
     reused = np.empty((size,), np.float32)
-    starts = iter(range(0, host.size - size + 1, size))  # each copy from a slice not copied before
-    for slices in ('untouched', 'touched'):
+    kinds = ('untouched', 'written earlier', 'touched')
+    count = max(host.size // size // len(kinds), 1)  # the array's slices, a third for each kind
+    regions = {kind: [(i * count + j) * size for j in range(count)] for i, kind in enumerate(kinds)}
+    written = regions['written earlier']
+    host[written[0]:written[-1] + size].fill(1.)  # written once, before any copy (if the array has room for it)
+    for slices in kinds:
+      used = itertools.cycle(regions[slices])  # each slice of the kind's region in turn (then again)
       for name, staging, threads in COPY_WAYS:
         times, error = [], None
         for _ in range(repeats):
-          start = next(starts, 0)
+          start = next(used)
           piece = host[start:start + size]
           if slices == 'touched':
             piece.fill(1.)
@@ -153,7 +163,8 @@ def measure_host_copy(host_gb: Sequence[float] = (4, 8, 16), piece_mb: float = 5
           times.append(time.perf_counter() - began)
         seconds = float(np.median(times)) if times else None
         rows.append({'host_gb': gb, 'piece_bytes': size * 4, 'way': name, 'slices': slices, 'seconds': seconds,
-                     'gb_per_s': None if seconds is None else size * 4 / seconds / 1e9, 'error': error})
+                     'gb_per_s': None if seconds is None else size * 4 / seconds / 1e9, 'error': error,
+                     'distinct_slices': len(regions[slices])})
         if not quiet:
           print(f"host copy: {gb} GB array, piece {size * 4 / 2 ** 20:.0f} MiB, {slices}, {name}: "
               + (error or f"{seconds * 1e3:.1f} ms, {rows[-1]['gb_per_s']:.2f} GB/s"), flush=True)

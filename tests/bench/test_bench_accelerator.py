@@ -124,14 +124,15 @@ def test_calls_of_a_subset_add_their_rows_and_reuse_the_stored_bptt_refusal(tmp_
   assert calls[-1] == (16, True)  # other settings: nothing reused
 
 
-def test_host_copy_alone_measures_every_way_from_touched_and_untouched_slices(tmp_path):
+def test_host_copy_alone_measures_every_way_from_each_kind_of_slices(tmp_path):
   """``--host-copy`` without ``--batches``: plain JAX's copies only (no trainer), every way of COPY_WAYS (pinned
   staging included: the CPU offers JAX's 'pinned_host' memory kind too), reported as a table."""
   device.main(['--quick', '--host-copy', '0.002', '--piece-mb', '0.1', '--out', str(tmp_path)])
   data, run, rows = _rows(tmp_path)
   assert rows == {}
   ways = {(c['way'], c['slices']) for c in run['host_copy']}
-  assert ways == {(way, slices) for way, _, _ in streaming.COPY_WAYS for slices in ('untouched', 'touched')}
+  assert ways == {(way, slices) for way, _, _ in streaming.COPY_WAYS
+                  for slices in ('untouched', 'written earlier', 'touched')}
   assert all(c['error'] is None and c['gb_per_s'] > 0 and c['piece_bytes'] == int(0.1 * 2 ** 20) // 4 * 4
              for c in run['host_copy'])
   report = (tmp_path / 'accelerator.md').read_text()
