@@ -25,7 +25,7 @@ import numpy as np
 from ._cut import MicroBatchPlan
 
 __all__ = ['BatchLayout', 'ambiguous_targets_error', 'batch_layout', 'describe_leaf', 'first_samples', 'is_array',
-           'put_samples', 'second_sizes', 'take_samples', 'traced_shapes']
+           'put_samples', 'samples_shape', 'second_sizes', 'take_samples', 'traced_shapes']
 
 
 def is_array(x) -> bool:
@@ -179,9 +179,10 @@ def first_samples(x, axis: int, n: int):
   return jnp.concatenate([x, jnp.zeros(pad, x.dtype)], axis=axis)
 
 
-def _samples_shape(x, axis: int, n: int) -> jax.ShapeDtypeStruct:
+def samples_shape(x, axis: int, n: int) -> jax.ShapeDtypeStruct:
   """The shape and dtype of :func:`first_samples` ``(x, axis, n)``, without running it: a trace needs no more (a
   slice of host data run would copy it to the device and compile the slice, on every batch shape)."""
+  x = x.value if isinstance(x, bm.Array) else x  # (a brainpy Array keeps its weak type in its value)
   shape = tuple(x.shape[:axis]) + (n,) + tuple(x.shape[axis + 1:])
   return jax.ShapeDtypeStruct(shape, x.dtype, weak_type=bool(getattr(x, 'weak_type', False)))
 
@@ -201,7 +202,7 @@ def traced_shapes(forward: Callable, args: tuple, axes, states: Sequence[Tuple[A
         state.value = first_samples(value, axis, n)
       return forward(treedef.unflatten(cut), n)
 
-    cut = [x if a is None else _samples_shape(x, a, n) for x, a in zip(leaves, axes)]
+    cut = [x if a is None else samples_shape(x, a, n) for x, a in zip(leaves, axes)]
     traced = brainstate.transform.StatefulFunction(run, return_only_write=False)
     traced.make_jaxpr(*cut)
     return traced.get_out_shapes(*cut)[0]

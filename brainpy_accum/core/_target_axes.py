@@ -17,7 +17,7 @@ import numpy as np
 from brainpy import tools
 
 from ._batch import ambiguous_targets_error, describe_leaf, is_array
-from ._batch import first_samples, traced_shapes
+from ._batch import samples_shape, traced_shapes
 from ._states import batched_variables, declared_batch_axes
 
 __all__ = ['TargetAxes', 'decide_target_axes', 'evidence_sizes']
@@ -52,7 +52,7 @@ def decide_target_axes(predict_shapes: Callable, loss_of: Callable, targets, bat
 
   def accepted(axes) -> bool:
     for n, outputs in zip(sizes, predicts):
-      cut = treedef.unflatten([first_samples(x, a, n) for x, a in zip(leaves, axes)])
+      cut = treedef.unflatten([samples_shape(x, a, n) for x, a in zip(leaves, axes)])  # (shapes: nothing runs)
       try:
         loss = brainstate.transform.eval_shape(lambda o, t: loss_of(o, t)[0], outputs, cut)  # (Variables too)
       except Exception:  # any shape error of the user's loss is evidence against this choice

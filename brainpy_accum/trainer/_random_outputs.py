@@ -29,7 +29,7 @@ from ..core._combine import finish_values
 from ..core._cut import MicroBatchPlan
 from ..core._metrics import (AUX_REDUCTIONS, ORDERS, MetricPlan, default_reduction, finish_metrics, metric_name,
                              plan_from_shapes, reductions_that_fit, undeclared_leaves, with_candidates)
-from ..core._batch import first_samples
+from ..core._batch import samples_shape
 from ..core._two_pass import second_sizes, traced_shapes
 
 __all__ = ['CheckNames', 'Evidence', 'LEVELS', 'POINTS', 'WHOLE', 'found_reductions', 'loss_at_random_outputs',
@@ -332,7 +332,7 @@ def _metrics_by_shapes(loss_of: Optional[Callable], args: tuple, axes, declared,
   leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=is_array)
 
   def metrics_at(outputs, n):
-    micro_args = treedef.unflatten([x if a is None else first_samples(x, a, n) for x, a in zip(leaves, axes)])
+    micro_args = treedef.unflatten([x if a is None else samples_shape(x, a, n) for x, a in zip(leaves, axes)])
     return brainstate.transform.eval_shape(lambda o, t: loss_of(o, t)[1], outputs, micro_args[1])
 
   shapes, larger = metrics_at(small, sizes[0]), metrics_at(large, sizes[1])
