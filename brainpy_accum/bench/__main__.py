@@ -4,8 +4,9 @@ Four parts, each rerunnable alone with ``--parts`` (the others are then kept fro
 ``startup`` (time to the first epoch of bp.BPTT and AccumBPTT's plans in fresh processes, first run and
 rerun, :mod:`.startup`), ``steps`` (step time and memory of every method and plan, the largest batch within
 a budget; ``--column``: only what the column [AccumBPTT(N) / bp.BPTT] / [plain JAX(N) / plain JAX(1)]
-needs), ``planner`` (``remat='auto'`` against every plan timed, :mod:`.planner`) and ``streaming`` (a batch
-several times the budget streamed from the host, :mod:`.streaming`). A fifth, ``device``, runs only when named
+needs, and bp.BPTT and plain JAX at each N's micro-batch, which tell its factors apart), ``planner``
+(``remat='auto'`` against every plan timed, :mod:`.planner`) and ``streaming`` (a batch several times the
+budget streamed from the host, :mod:`.streaming`). A fifth, ``device``, runs only when named
 (``--parts device``): training on a GPU or TPU, batch size by batch size, into ``accelerator.md``, ``.png`` and
 ``.json`` (:mod:`.accelerator`; on a CPU small and labelled as such).
 """
@@ -99,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument('--workloads', nargs='+', default=list(WORKLOADS), choices=list(WORKLOADS))
   parser.add_argument('--column', action='store_true',
                       help='steps part: only the configurations of the column [AccumBPTT(N) / bp.BPTT] / '
-                           '[plain JAX(N) / plain JAX(1)], no largest-batch search')
+                           '[plain JAX(N) / plain JAX(1)] and its factors (bp.BPTT and plain JAX at each N\'s '
+                           'micro-batch), no largest-batch search')
   parser.add_argument('--startup-rounds', type=int, default=3, help='rounds of the startup part')
   parser.add_argument('--rounds', type=int, default=None, help='interleaved timing rounds (default 11, --quick 3)')
   parser.add_argument('--budget', default='512MiB', help='memory budget for the largest-batch search (not with --quick)')
@@ -178,7 +180,8 @@ def _steps(args, shape: Shape, stored: str, data: dict):
   for workload in args.workloads:
     done = measure_all(configs(workload, shape, args.quick, args.column), rounds=args.rounds)
     for r in done:
-      print(f"{workload:4} {r['method']:7} N={r['num_micro_batch']:<3} remat={bool(r.get('remat'))!s:5} "
+      print(f"{workload:4} {r['method']:7} N={r['num_micro_batch']:<3} batch {r['shape'][0]:<5} "
+            f"remat={bool(r.get('remat'))!s:5} "
             f"temp {r['memory']['temp'] / 2 ** 20:9.1f} MiB  step {r['step_s']:.3f} s  "
             f"compilations {r['compilations']}", flush=True)
     results += done

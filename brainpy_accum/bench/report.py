@@ -136,14 +136,15 @@ def targets(results: List[dict], largest: Dict[str, Dict[str, int]], workload: s
       lines.append(f'- [AccumBPTT(N) / bp.BPTT] / [plain JAX(N) / plain JAX(1)] at N={n}: '
                    f'{_cost_of_micro_batching_divided_out(mine, base, jax_n, jax_1)} (target <= {COLUMN_LIMIT}): '
                    f'{_check(ratio <= COLUMN_LIMIT)}'
-                   f'{_model_cost(results, workload, n) if ratio > COLUMN_LIMIT else ""}')
+                   f'{_factors(results, workload, n, column=True) if ratio > COLUMN_LIMIT else ""}')
   for other, limit in (('jax', JAX_LIMIT), ('recipe', RECIPE_LIMIT)):
     for n in RATIO_NS:
       mine, theirs = _find(results, workload, 'accum', n), _find(results, workload, other, n)
       if mine and theirs:
         ratio = _ratio(mine, theirs)
         lines.append(f'- AccumBPTT / {_label(theirs)} at N={n}: {ratio:.3f} (target <= {limit:.2f}): '
-                     f'{_check(ratio <= limit)}{_model_cost(results, workload, n) if ratio > limit else ""}')
+                     f'{_check(ratio <= limit)}'
+                     f'{_factors(results, workload, n, False) if other == "jax" and ratio > limit else ""}')
   plain, remat = _find(results, workload, 'accum', 4), _find(results, workload, 'accum', 4, True)
   if plain and remat:
     mem, step = remat['memory']['temp'] / plain['memory']['temp'], _ratio(remat, plain)
@@ -163,17 +164,25 @@ def targets(results: List[dict], largest: Dict[str, Dict[str, int]], workload: s
   return lines
 
 
-def _model_cost(results: List[dict], workload: str, n: int) -> str:
-  """Where the steps at N's micro-batch were measured: how much of a miss against plain JAX is the BrainPy
-  model's own cost at that batch (bp.BPTT against plain JAX, no accumulation), and accumulation's own."""
+def _factors(results: List[dict], workload: str, n: int, column: bool) -> str:
+  """Where the steps at N's micro-batch were measured, a missed ratio against plain JAX in its factors (each the
+  median of its own per-round ratios, so their product comes near the ratio, within the rounds' noise, not exactly
+  to it): AccumBPTT's N micro-batches against
+  N of bp.BPTT's steps at the micro-batch (accumulation's own cost), bp.BPTT against plain JAX there (the
+  BrainPy model's), and N of plain JAX's steps there against its N micro-batches in one step (what plain JAX's
+  scan saves); for the ``column``'s ratio, over bp.BPTT against plain JAX at the whole batch too."""
   mine, bptt_at, jax_at = (_find(results, workload, 'accum', n), _find(results, workload, 'bptt', at=n),
                            _find(results, workload, 'jax', at=n))
-  if not (mine and bptt_at and jax_at):
+  jax_n, bptt, jax_1 = (_find(results, workload, 'jax', n), _find(results, workload, 'bptt'),
+                        _find(results, workload, 'jax'))
+  if not (mine and bptt_at and jax_at and jax_n and (bptt and jax_1 or not column)):
     return ''
-  return (f'; at the micro-batch ({bptt_at["shape"][0]}) bp.BPTT alone takes {_ratio(bptt_at, jax_at):.3f} x plain '
-          f'JAX\'s step (the BrainPy model\'s own cost at that size), and AccumBPTT\'s {n} micro-batches '
-          f'{_ratio(mine, dict(bptt_at, step_times=[n * t for t in bptt_at["step_times"]])):.3f} x {n} of bp.BPTT\'s '
-          f'steps there')
+  times = lambda r, k: dict(r, step_times=[k * t for t in r['step_times']])  # noqa: E731
+  text = (f'; its factors: AccumBPTT against {n} bp.BPTT steps at batch {bptt_at["shape"][0]} '
+          f'{_ratio(mine, times(bptt_at, n)):.3f} (accumulation\'s own), bp.BPTT against plain JAX there '
+          f'{_ratio(bptt_at, jax_at):.3f} (the BrainPy model), {n} plain JAX steps there against plain JAX\'s {n} '
+          f'micro-batches {_ratio(times(jax_at, n), jax_n):.3f} (its scan)')
+  return text + (f', over bp.BPTT against plain JAX at the whole batch {_ratio(bptt, jax_1):.3f}' if column else '')
 
 
 def markdown_report(results: List[dict], largest: Dict[str, Dict[str, int]], header: str) -> str:
@@ -387,11 +396,13 @@ def _host_copy_table(copies: List[dict]) -> List[str]:
   piece = copies[0]['piece_bytes'] / 2 ** 20
   kinds = ('untouched', 'written earlier', 'touched')
   out = ['### A piece copied to the device out of a host array (plain JAX)', '',
-         f'`--host-copy`: a piece of {piece:.0f} MiB out of float32 host arrays; GB/s, the median of copies of '
-         'different slices; "untouched": pages never written since the array was made, "written earlier": the '
-         'array written once before the copies (a batch made before training: the feed\'s case), "touched": '
-         'written just before the copy.', '', '| host array | way | ' + ' | '.join(f'{k} GB/s' for k in kinds) + ' |',
-         '|---|---|---|---|---|']
+         f'`--host-copy`: a piece of {piece:.0f} MiB out of float32 host arrays; GB/s, the median of the copies; '
+         '"untouched": pages never written since the array was made (each way its own array, a different slice '
+         'each copy), "written earlier": the array written once before the copies (a batch made before training: '
+         'the feed\'s case), "touched": written just before the copy; the ways of a kind take the array\'s slices '
+         'in turn (an array of fewer slices than the copies has some read again; runs before 2026-12-07 copied '
+         'the untouched ones out of one array, so most of their copies read slices read before).', '',
+         '| host array | way | ' + ' | '.join(f'{k} GB/s' for k in kinds) + ' |', '|---|---|---|---|---|']
   cells = {(c['host_gb'], c['way'], c['slices']): c for c in copies}
   for gb, way in dict.fromkeys((c['host_gb'], c['way']) for c in copies):
     out.append(f"| {gb:g} GB | {way} | " + ' | '.join(_rate(cells[gb, way, k]) if (gb, way, k) in cells else '-'

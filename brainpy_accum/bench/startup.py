@@ -60,7 +60,8 @@ STARTUP_HEADER = (
 
 
 def _child(options: dict, shape: dict) -> dict:
-  """In the fresh process: build the trainer, fit one epoch; seconds and XLA compilations since the build."""
+  """In the fresh process: build the trainer, fit ``shape['epochs']`` epochs; seconds and XLA compilations since
+  the build, by phase, the plans and the device."""
   import brainpy as bp
   import brainpy.math as bm
   import numpy as np

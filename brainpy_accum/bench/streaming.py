@@ -19,7 +19,7 @@ import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import brainpy as bp
 import jax
@@ -121,13 +121,14 @@ def _copy_piece(piece: np.ndarray, staging: Optional[str], threads: int, reused:
 def measure_host_copy(host_gb: Sequence[float] = (4, 8, 16), piece_mb: float = 512, repeats: int = 5,
                       quiet: bool = False) -> List[dict]:
   """Plain JAX: a piece of ``piece_mb`` MB copied to the default device out of a float32 host array of each of
-  ``host_gb`` GB, in each way of :data:`COPY_WAYS`, from slices of three kinds: untouched (pages never written
-  since the array was made: the copy faults them in; a slice copied again was faulted in by the copy before),
-  written earlier (written once, before any of these copies, as a batch made at the start of training is: the
-  feed's case) and touched (written just before the copy). Each kind has its own third of the array's slices,
-  copied in turn (``distinct_slices`` in its rows: an array of fewer slices than copies copies some again); the
-  median of ``repeats`` copies. A row per (host size, way, slices): ``seconds`` and ``gb_per_s`` (or
-  ``error``), each also printed unless ``quiet``.
+  ``host_gb`` GB, in each way of :data:`COPY_WAYS`, from slices of three kinds: untouched (each way copies out
+  of an array of its own never written since it was made: the copy faults its pages in), written earlier (the
+  array written once, before any of these copies, as a batch made before training is: the feed's case) and
+  touched (written just before the copy). Each copy takes the array's next slice, the ways of a kind one after
+  another, again from the first once all were copied (``distinct_slices`` in a row: how many different slices
+  its copies read; an array of fewer slices than a kind's copies has some read again); the median of
+  ``repeats`` copies. A row per (host size, way, slices): ``seconds`` and ``gb_per_s`` (or ``error``), each
+  also printed unless ``quiet``.
 
   Examples
   --------
@@ -137,39 +138,47 @@ def measure_host_copy(host_gb: Sequence[float] = (4, 8, 16), piece_mb: float = 5
   """
   device, rows = jax.devices()[0], []
   for gb in host_gb:
-    host = np.zeros((int(gb * 2 ** 30) // 4,), np.float32)  # zero pages, mapped when first touched
-    size = min(int(piece_mb * 2 ** 20) // 4, host.size // 3)
+    elements = int(gb * 2 ** 30) // 4
+    size = min(int(piece_mb * 2 ** 20) // 4, elements // 2)
     reused = np.empty((size,), np.float32)
-    kinds = ('untouched', 'written earlier', 'touched')
-    count = max(host.size // size // len(kinds), 1)  # the array's slices, a third for each kind
-    regions = {kind: [(i * count + j) * size for j in range(count)] for i, kind in enumerate(kinds)}
-    written = regions['written earlier']
-    host[written[0]:written[-1] + size].fill(1.)  # written once, before any copy (if the array has room for it)
-    for slices in kinds:
-      used = itertools.cycle(regions[slices])  # each slice of the kind's region in turn (then again)
+    host = np.ones((elements,), np.float32)  # written once, before any copy (a batch made before training)
+    starts = range(0, elements - size + 1, size)
+    for slices in ('untouched', 'written earlier', 'touched'):
+      taken = itertools.cycle(starts)  # the ways of a kind take the array's slices in turn, one after another
       for name, staging, threads in COPY_WAYS:
-        times, error = [], None
-        for _ in range(repeats):
-          start = next(used)
-          piece = host[start:start + size]
-          if slices == 'touched':
-            piece.fill(1.)
-          began = time.perf_counter()
-          try:
-            _copy_piece(piece, staging, threads, reused, device)
-          except Exception as failure:  # noqa: BLE001 -- a way the device does not offer is a finding
-            error = f'{type(failure).__name__}: {str(failure)[:200]}'
-            break
-          times.append(time.perf_counter() - began)
+        # untouched: each way its own array never written (zero pages, mapped when its copy reads them)
+        source, taken = ((np.zeros((elements,), np.float32), itertools.cycle(starts)) if slices == 'untouched'
+                         else (host, taken))
+        times, error = _copies(source, taken, size, repeats, (staging, threads, reused, device), slices == 'touched')
         seconds = float(np.median(times)) if times else None
         rows.append({'host_gb': gb, 'piece_bytes': size * 4, 'way': name, 'slices': slices, 'seconds': seconds,
                      'gb_per_s': None if seconds is None else size * 4 / seconds / 1e9, 'error': error,
-                     'distinct_slices': len(regions[slices])})
+                     'distinct_slices': min(repeats, len(starts))})  # (read before by another way, where fewer)
         if not quiet:
           print(f"host copy: {gb} GB array, piece {size * 4 / 2 ** 20:.0f} MiB, {slices}, {name}: "
-              + (error or f"{seconds * 1e3:.1f} ms, {rows[-1]['gb_per_s']:.2f} GB/s"), flush=True)
+                + (error or f"{seconds * 1e3:.1f} ms, {rows[-1]['gb_per_s']:.2f} GB/s"), flush=True)
+        del source
     del host, reused
   return rows
+
+
+def _copies(source: np.ndarray, taken: Iterator[int], size: int, repeats: int, way: tuple,
+            touch: bool) -> Tuple[List[float], Optional[str]]:
+  """Seconds of ``repeats`` copies of slices of ``source`` (at the next starts ``taken``), each written just before
+  its copy where ``touch``; the error of a way the device does not offer."""
+  times = []
+  for _ in range(repeats):
+    start = next(taken)
+    piece = source[start:start + size]
+    if touch:
+      piece.fill(1.)
+    began = time.perf_counter()
+    try:
+      _copy_piece(piece, *way)
+    except Exception as failure:  # noqa: BLE001 -- a way the device does not offer is a finding
+      return times, f'{type(failure).__name__}: {str(failure)[:200]}'
+    times.append(time.perf_counter() - began)
+  return times, None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
