@@ -438,7 +438,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                       help='also train a batch of BATCH after planning it, with 60%% and 30%% of the device held')
   parser.add_argument('--host-copy', nargs='+', type=float, default=None, metavar='GB',
                       help="plain JAX: a piece's copy to the device out of host arrays of these sizes in GB, each "
-                           'way of bench.streaming.COPY_WAYS, touched and untouched slices (trainers: with --batches)')
+                           'way of bench.streaming.COPY_WAYS, untouched, written-earlier and touched slices '
+                           '(trainers: with --batches)')
   parser.add_argument('--piece-mb', type=float, default=512, help='the piece --host-copy copies, in MB (default 512)')
   parser.add_argument('--out', default='docs', help='folder for accelerator.json, .md and .png')
   args = parser.parse_args(argv)
