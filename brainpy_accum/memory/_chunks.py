@@ -79,7 +79,8 @@ class Streaming:
     self.plan_chunk, self.plan_whole = plan_chunk, plan_whole
     self.stream_chunks: Dict[int, int] = {}  # batch sizes streamed from the host, and their chunk size
     self.piece_sizes: set = set()  # of those, the ones streamed in pieces by choice (their data fits the device)
-    self._whole_compiled: Dict[int, Tuple[MicroBatchPlan, PlannedStep]] = {}  # see take_whole
+    # (batch or piece size, through the window) -> (plan, step) compiled for training by a decision: see take_whole
+    self._whole_compiled: Dict[Tuple[int, bool], Tuple[MicroBatchPlan, PlannedStep]] = {}
 
   def is_streamed(self, batch_size: int, on_device: bool = False) -> bool:
     """Whether a batch of ``batch_size`` is streamed in chunks: one streamed because its data does not fit beside
@@ -133,11 +134,12 @@ class Streaming:
     return not (search.micro_batch_of(piece) is None or self.plans[piece][0].num_micro_batches != 1
                 or self.plans[piece][1] + states > self.budget.bytes())
 
-  def take_whole(self, batch_size: int) -> Optional[Tuple[MicroBatchPlan, PlannedStep]]:
+  def take_whole(self, batch_size: int, via_window: bool = False) -> Optional[Tuple[MicroBatchPlan, PlannedStep]]:
     """``(plan, step)``: the step of a batch of ``batch_size`` in one micro-batch that :meth:`pieces` compiled
     for training and found to fit (where :func:`~brainpy_accum.memory._budget.compiles_whole_first`), for the
-    planner to keep rather than compile again; ``None`` if there is none. Forgotten once taken."""
-    return self._whole_compiled.pop(batch_size, None)
+    planner to keep rather than compile again; ``via_window``: the step of the piece :meth:`pieces` chose, through
+    the window, compiled for training by the pieces' search. ``None`` if there is none. Forgotten once taken."""
+    return self._whole_compiled.pop((batch_size, via_window), None)
 
   def _fits_whole(self, request) -> bool:
     """Whether the batch's step fits in one micro-batch, with the whole next batch sent ahead: a quick probe, or
@@ -153,7 +155,7 @@ class Streaming:
       planned = request.compilers.trial(one, *request.batch, False)
     if planned.memory.total > self.budget.bytes():
       return False
-    self._whole_compiled[batch_size] = (one, planned)
+    self._whole_compiled[batch_size, False] = (one, planned)
     return True
 
   def _largest_piece(self, request, search: 'ChunkSearch', states: int) -> Optional[int]:
@@ -161,20 +163,34 @@ class Streaming:
     beside the next piece and the batch's model state (``states`` bytes)."""
     batch_size, budget = request.layout.batch_size, self.budget.bytes()
     measured: Dict[int, int] = {}
+    # where the planner compiles a step for training first (a TPU), each probe is that compilation, and the
+    # chosen piece's is the one its plan keeps (a quick probe would be a second compilation of the same step)
+    trained = compiles_whole_first() and request.compilers.keepable(True)
 
     def measure(size):  # the piece's step through the window, the next piece sent ahead, the batch's states
       if size not in measured:
         chunk_data = search.chunk_data(size)
         plan = plan_micro_batches(size, num_micro_batch=1)._replace(remat=False if self.remat == 'auto' else None)
-        measured[size] = budget + 1 if chunk_data is None else states + memory_parts(
-          request.compilers.step_bytes(plan, request.shared_args, *chunk_data, True))[0]
+        if chunk_data is None:
+          measured[size] = budget + 1
+        elif trained:
+          self._whole_compiled[size, True] = (plan, search.compilers.trial(plan, request.shared_args, *chunk_data,
+                                                                           True))
+          measured[size] = states + self._whole_compiled[size, True][1].memory.total
+        else:  # (the search's quick probes: the piece's own planning finds this one again)
+          measured[size] = states + memory_parts(search.compilers.step_bytes(plan, request.shared_args, *chunk_data,
+                                                                              True))[0]
       return measured[size]
 
     sizes = [size for size in candidate_micro_batch_sizes(batch_size) if size < batch_size]
     roomy = min(budget, int(PIECE_FILL * budget) + states)  # room for the device's allocations, where it can
-    found = largest_fitting(sizes, roomy, measure) or largest_fitting(sizes, budget, measure)
-    piece = None if found is None else _even_piece(batch_size, found[0], sizes)
-    return None if piece is None or search.micro_batch_of(piece) is None else piece
+    try:
+      found = largest_fitting(sizes, roomy, measure) or largest_fitting(sizes, budget, measure)
+      piece = None if found is None else _even_piece(batch_size, found[0], sizes)
+      return None if piece is None or search.micro_batch_of(piece) is None else piece
+    finally:  # the steps of the pieces not chosen are not kept
+      for key in [key for key in self._whole_compiled if key[1]]:
+        del self._whole_compiled[key]
 
   def chunks(self, request, error: Optional[ValueError]) -> MicroBatchPlan:
     """The batch's data does not fit beside its step (``error``: the unstreamed search's, if it ran): stream it

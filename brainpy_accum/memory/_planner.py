@@ -341,7 +341,7 @@ class Planner:
     """
     batch_size, share = request.layout.batch_size, self.share_size(request.layout.batch_size)
     key = self.cached.key(request.batch, via_window, modelled=request.step_time is not None)
-    whole = None if via_window else self.streaming.take_whole(batch_size)  # (compiled by the pieces' decision)
+    whole = self.streaming.take_whole(batch_size, via_window)  # (compiled by the pieces' decision or search)
     whole_step = None if whole is None else whole[1]
     if self._plan_from_cache(key, request, via_window, unkept, whole):
       self._note_window(batch_size, via_window)

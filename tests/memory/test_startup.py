@@ -361,13 +361,23 @@ def test_whole_first_a_cached_plan_of_a_batch_sent_ahead_is_compiled_once(data, 
     assert [plan.micro_batch_size for plan in trials] == [SIZE], (run, trials)
 
 
-def test_whole_first_plans_pieces_sent_ahead_and_trains_as_the_fixed_plan(data):
+def test_whole_first_plans_pieces_sent_ahead_and_trains_as_the_fixed_plan(data, monkeypatch):
   """A TPU's path, forced on the CPU: the batch sent ahead streams in pieces of one micro-batch, each piece's step
-  compiled for training first; the run trains as the fixed plan of the pieces' size."""
+  compiled for training first, and the chosen piece's compilation is the one its plan keeps: no step is compiled
+  for training twice, and the piece is not probed quickly beside; the run trains as the fixed plan of the pieces'
+  size."""
   batches, budget, _ = data
+  trials, real = [], CompiledSteps._compiled_for_training
+  monkeypatch.setattr(CompiledSteps, '_compiled_for_training', lambda self, plan, *args, **kwargs: trials.append(
+    (plan.batch_size, plan.micro_batch_size, kwargs.get('via_window', args[3] if len(args) > 3 else False)))
+    or real(self, plan, *args, **kwargs))
   model = _model()
   trainer = _trainer(model, num_micro_batch='auto', memory_budget=budget, cache=False)
+  probes = _recorded_probes(trainer)
   with overlapping(True), whole_first(True):
     trainer.fit(batches, num_epoch=1)
   assert SIZE in trainer.stream_chunks
+  piece = trainer.stream_chunks[SIZE]
+  assert (piece, piece, True) in trials and len(trials) == len(set(trials)), trials
+  assert all(p.batch_size != piece for p in probes), probes
   assert_trees_close(params_of(model), _fit_fixed(trainer.plan_for(SIZE).micro_batch_size, batches))
