@@ -90,9 +90,14 @@ def _cost_of_micro_batching_divided_out(mine: dict, bptt: dict, jax_n: dict, jax
   return f'{middle:.3f} ({low:.2f}-{high:.2f})'
 
 
+def _n_steps(one: dict, n: int) -> dict:
+  """``one``'s result as if each round ran ``n`` of its steps (a step at the micro-batch, against N of them)."""
+  return dict(one, step_times=[n * t for t in one['step_times']])
+
+
 def _over_n_steps(mine: dict, one: dict, n: int) -> str:
   """``mine``'s step against ``n`` steps of ``one`` (a step at the micro-batch), per round: median (quartiles)."""
-  return _spread(mine, dict(one, step_times=[n * t for t in one['step_times']]))
+  return _spread(mine, _n_steps(one, n))
 
 
 def ratios(results: List[dict], workload: str) -> List[str]:
@@ -167,21 +172,20 @@ def targets(results: List[dict], largest: Dict[str, Dict[str, int]], workload: s
 def _factors(results: List[dict], workload: str, n: int, column: bool) -> str:
   """Where the steps at N's micro-batch were measured, a missed ratio against plain JAX in its factors (each the
   median of its own per-round ratios, so their product comes near the ratio, within the rounds' noise, not exactly
-  to it): AccumBPTT's N micro-batches against
-  N of bp.BPTT's steps at the micro-batch (accumulation's own cost), bp.BPTT against plain JAX there (the
-  BrainPy model's), and N of plain JAX's steps there against its N micro-batches in one step (what plain JAX's
-  scan saves); for the ``column``'s ratio, over bp.BPTT against plain JAX at the whole batch too."""
+  to it): AccumBPTT's N micro-batches against N of bp.BPTT's steps at the micro-batch (accumulation's own cost),
+  bp.BPTT against plain JAX there (the BrainPy model's), and N of plain JAX's steps there against its N
+  micro-batches in one step (what plain JAX's scan saves); for the ``column``'s ratio, over bp.BPTT against plain
+  JAX at the whole batch too."""
   mine, bptt_at, jax_at = (_find(results, workload, 'accum', n), _find(results, workload, 'bptt', at=n),
                            _find(results, workload, 'jax', at=n))
   jax_n, bptt, jax_1 = (_find(results, workload, 'jax', n), _find(results, workload, 'bptt'),
                         _find(results, workload, 'jax'))
   if not (mine and bptt_at and jax_at and jax_n and (bptt and jax_1 or not column)):
     return ''
-  times = lambda r, k: dict(r, step_times=[k * t for t in r['step_times']])  # noqa: E731
   text = (f'; its factors: AccumBPTT against {n} bp.BPTT steps at batch {bptt_at["shape"][0]} '
-          f'{_ratio(mine, times(bptt_at, n)):.3f} (accumulation\'s own), bp.BPTT against plain JAX there '
+          f'{_ratio(mine, _n_steps(bptt_at, n)):.3f} (accumulation\'s own), bp.BPTT against plain JAX there '
           f'{_ratio(bptt_at, jax_at):.3f} (the BrainPy model), {n} plain JAX steps there against plain JAX\'s {n} '
-          f'micro-batches {_ratio(times(jax_at, n), jax_n):.3f} (its scan)')
+          f'micro-batches {_ratio(_n_steps(jax_at, n), jax_n):.3f} (its scan)')
   return text + (f', over bp.BPTT against plain JAX at the whole batch {_ratio(bptt, jax_1):.3f}' if column else '')
 
 

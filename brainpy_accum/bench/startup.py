@@ -64,6 +64,7 @@ def _child(options: dict, shape: dict) -> dict:
   the build, by phase, the plans and the device."""
   import brainpy as bp
   import brainpy.math as bm
+  import jax
   import numpy as np
 
   from ..diagnostics._compiles import count_compilations
@@ -89,7 +90,6 @@ def _child(options: dict, shape: dict) -> dict:
       trainer = bp.BPTT(model, last_step_cross_entropy, bp.optim.Adam(lr=1e-3), progress_bar=False)
     trainer.fit(data, num_epoch=shape.get('epochs', 1))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-  import jax
   return {'seconds': seconds, 'cpu_seconds': cpu_seconds, 'compilations': compiled(), 'phases': phases.table(),
           'device': f'{jax.devices()[0].device_kind} ({jax.default_backend()})',
           'plan': {str(k): v[0].describe() for k, v in getattr(trainer, 'memory_plans', {}).items()}}

@@ -146,9 +146,9 @@ def measure_host_copy(host_gb: Sequence[float] = (4, 8, 16), piece_mb: float = 5
     for slices in ('untouched', 'written earlier', 'touched'):
       taken = itertools.cycle(starts)  # the ways of a kind take the array's slices in turn, one after another
       for name, staging, threads in COPY_WAYS:
-        # untouched: each way its own array never written (zero pages, mapped when its copy reads them)
-        source, taken = ((np.zeros((elements,), np.float32), itertools.cycle(starts)) if slices == 'untouched'
-                         else (host, taken))
+        source = host
+        if slices == 'untouched':  # each way its own array never written (zero pages, mapped when read), from its start
+          source, taken = np.zeros((elements,), np.float32), itertools.cycle(starts)
         times, error = _copies(source, taken, size, repeats, (staging, threads, reused, device), slices == 'touched')
         seconds = float(np.median(times)) if times else None
         rows.append({'host_gb': gb, 'piece_bytes': size * 4, 'way': name, 'slices': slices, 'seconds': seconds,

@@ -174,9 +174,9 @@ class Streaming:
         if chunk_data is None:
           measured[size] = budget + 1
         elif trained:
-          self._whole_compiled[size, True] = (plan, search.compilers.trial(plan, request.shared_args, *chunk_data,
-                                                                           True))
-          measured[size] = states + self._whole_compiled[size, True][1].memory.total
+          planned = search.compilers.trial(plan, request.shared_args, *chunk_data, True)
+          self._whole_compiled[size, True] = (plan, planned)
+          measured[size] = states + planned.memory.total
         else:  # (the search's quick probes: the piece's own planning finds this one again)
           measured[size] = states + memory_parts(search.compilers.step_bytes(plan, request.shared_args, *chunk_data,
                                                                               True))[0]
