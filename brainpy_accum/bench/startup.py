@@ -12,6 +12,10 @@ drift falls on all alike; the ratios are medians of per-round ratios to bp.BPTT,
 trainer to the end of ``fit`` (the third-party clients' runs are of that size: a notebook's short training), with
 issue 55's target for it (every AccumBPTT trainer's first run at most 1.5 times bp.BPTT's). Each table names
 the device it ran on.
+
+``--against TREE`` compares two versions instead: each trainer's first run with this checkout's package and with
+the one at ``TREE`` (``git worktree add TREE COMMIT``), back to back in every round, and the median of the paired
+differences: whether a change made the first fit slower, where separate runs of the table move by more than that.
 """
 
 import argparse
@@ -26,7 +30,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 __all__ = ['TRAINERS', 'TARGETS', 'CLIENT_SHAPE', 'CLIENT_TARGETS', 'STARTUP_HEADER', 'run_one', 'measure_startup',
-           'startup_section']
+           'startup_section', 'measure_against', 'against_section']
 
 TRAINERS: Dict[str, dict] = {
   'bp.BPTT': {},
@@ -95,13 +99,16 @@ def _child(options: dict, shape: dict) -> dict:
           'plan': {str(k): v[0].describe() for k, v in getattr(trainer, 'memory_plans', {}).items()}}
 
 
-def run_one(name: str, cache: str, shape: dict = SHAPE) -> dict:
-  """One fresh process for trainer ``name`` with its caches in the folder ``cache``."""
+def run_one(name: str, cache: str, shape: dict = SHAPE, tree: Optional[str] = None) -> dict:
+  """One fresh process for trainer ``name`` with its caches in the folder ``cache``; ``tree``: the package
+  imported from that checkout (another commit's, for :func:`measure_against`) instead of this one."""
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(cache, 'jax'), BRAINPY_ACCUM_CACHE_DIR=cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  if tree is not None:
+    env['PYTHONPATH'] = os.pathsep.join([tree] + [p for p in [env.get('PYTHONPATH')] if p])
   request = json.dumps({'options': TRAINERS[name], 'shape': shape})
   done = subprocess.run([sys.executable, '-m', 'brainpy_accum.bench.startup', '--child', request], env=env,
-                        capture_output=True, text=True, check=False)
+                        capture_output=True, text=True, check=False, cwd=tree)
   if done.returncode != 0:
     raise RuntimeError(f'{name}: the child process failed:\n{done.stderr[-3000:]}')
   return json.loads(done.stdout.strip().splitlines()[-1])
@@ -125,6 +132,38 @@ def measure_startup(names: Sequence[str] = tuple(TRAINERS), rounds: int = 3, sha
       for folder in folders.values():
         shutil.rmtree(folder, ignore_errors=True)
   return results
+
+
+def measure_against(tree: str, names: Sequence[str] = tuple(TRAINERS), rounds: int = 3,
+                    shape: dict = SHAPE) -> Dict[str, Dict[str, List[float]]]:
+  """``{name: {'here': [seconds], 'there': [seconds]}}``: each trainer's first run (an empty cache folder of its
+  own) with this checkout's package and with the one at ``tree`` (another commit's worktree), one right after
+  the other, the pairs in reversed order every other round: two versions compared where the machine's drift
+  falls on both alike (the start-up figures of separate runs move by more than a change's effect)."""
+  results = {name: {'here': [], 'there': []} for name in names}
+  for round_ in range(rounds):
+    pairs = [(name, where) for name in names for where in ('here', 'there')]
+    for name, where in pairs if round_ % 2 == 0 else reversed(pairs):
+      folder = tempfile.mkdtemp(prefix='brainpy_accum_startup_')
+      try:
+        seconds = run_one(name, folder, shape, tree=tree if where == 'there' else None)['seconds']
+      finally:
+        shutil.rmtree(folder, ignore_errors=True)
+      results[name][where].append(seconds)
+      print(f'round {round_} {where:5} {name:40} {seconds:6.2f} s', flush=True)
+  return results
+
+
+def against_section(results: Dict[str, Dict[str, List[float]]], tree: str) -> str:
+  """The markdown table of :func:`measure_against`: medians of each version's first runs, and the median of
+  the paired differences (this checkout minus ``tree``'s) with how many pairs were slower here."""
+  lines = [f'First runs, this checkout against `{tree}` (seconds, medians; pairs run back to back):', '',
+           '| trainer | here | there | here - there (median of pairs) | pairs slower here |', '|---|---|---|---|---|']
+  for name, runs in results.items():
+    differences = [a - b for a, b in zip(runs['here'], runs['there'])]
+    lines.append(f'| {name} | {statistics.median(runs["here"]):.2f} | {statistics.median(runs["there"]):.2f} | '
+                 f'{statistics.median(differences):+.2f} | {sum(d > 0 for d in differences)} of {len(differences)} |')
+  return '\n'.join(lines)
 
 
 def _quartiles(values: List[float]) -> str:
@@ -196,6 +235,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   parser.add_argument('--trainers', nargs='+', default=list(TRAINERS), choices=list(TRAINERS))
   parser.add_argument('--client', action='store_true',
                       help='a client-sized whole run (3 batches, 2 epochs) instead of the first epoch of 2 batches')
+  parser.add_argument('--against', default=None, metavar='TREE',
+                      help='compare first runs with the package of another checkout (a worktree of another commit)')
   parser.add_argument('--json', default=None, help='also write the measurements to this file')
   parser.add_argument('--child', default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -204,6 +245,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(json.dumps(_child(request['options'], request['shape'])))
     return
   before = ', '.join(f'{v:.2f}' for v in os.getloadavg())
+  if args.against is not None:
+    results = measure_against(args.against, args.trainers, args.rounds, CLIENT_SHAPE if args.client else SHAPE)
+    if args.json:
+      with open(args.json, 'w') as f:
+        json.dump(results, f, indent=1)
+    print(against_section(results, args.against))
+    return
   shape, targets = (CLIENT_SHAPE, CLIENT_TARGETS) if args.client else (SHAPE, TARGETS)
   results = measure_startup(args.trainers, args.rounds, shape)
   after = ', '.join(f'{v:.2f}' for v in os.getloadavg())

@@ -1,6 +1,7 @@
 """The benchmark and soak scripts run (tiny sizes); their figures live in docs/, not in assertions on speed."""
 
 import json
+import os
 
 import pytest
 
@@ -176,3 +177,24 @@ def test_startup_table_gives_the_first_runs_by_phase():
              "'auto', memory_budget='24MiB'": {'first': [run(1.), run(2.)], 'rerun': [run(0.), run(0.)]}}
   text = startup_section(results)
   assert "| 'auto', memory_budget='24MiB' | 0.50 | 1.50 (1) | 0.50 (1) |" in text
+
+
+def test_startup_against_another_checkout_pairs_runs_back_to_back(monkeypatch):
+  """--against: each trainer's first run here and from the other checkout one after the other (the pairs in
+  reversed order every other round), each on an empty cache folder, the other's package imported from its tree;
+  the table gives the median of the paired differences and how many pairs were slower here."""
+  from brainpy_accum.bench import startup
+  calls, seconds = [], iter([3., 2., 5., 4., 2., 2.5, 9., 7.])
+  monkeypatch.setattr(startup, 'run_one', lambda name, cache, shape, tree=None: calls.append(
+    (name, tree, os.listdir(cache))) or {'seconds': next(seconds)})
+  results = startup.measure_against('/old', ['bp.BPTT', 'AccumBPTT(num_micro_batch=4)'], rounds=2)
+  assert [(name, tree) for name, tree, _ in calls] == [
+    ('bp.BPTT', None), ('bp.BPTT', '/old'), ('AccumBPTT(num_micro_batch=4)', None),
+    ('AccumBPTT(num_micro_batch=4)', '/old'), ('AccumBPTT(num_micro_batch=4)', '/old'),
+    ('AccumBPTT(num_micro_batch=4)', None), ('bp.BPTT', '/old'), ('bp.BPTT', None)]
+  assert all(folder == [] for _, _, folder in calls)
+  assert results == {'bp.BPTT': {'here': [3., 7.], 'there': [2., 9.]},
+                     'AccumBPTT(num_micro_batch=4)': {'here': [5., 2.5], 'there': [4., 2.]}}
+  text = startup.against_section(results, '/old')
+  assert '| bp.BPTT | 5.00 | 5.50 | -0.50 | 1 of 2 |' in text
+  assert '| AccumBPTT(num_micro_batch=4) | 3.75 | 3.00 | +0.75 | 2 of 2 |' in text
