@@ -116,9 +116,10 @@ class Streaming:
     with values_restored(self.model.variables(), any_shape=True):  # resets draw random numbers: all put back
       piece = self.cached.piece(key, batch_size, functools.partial(self._piece_fits, search, states))
       if piece is None:
-        if self._fits_whole(request):
+        whole = self._whole_bytes(request)
+        if whole is not None and whole <= self.budget.bytes():
           return None
-        piece = self._largest_piece(request, search, states)
+        piece = self._largest_piece(request, search, states, whole)
         if piece is not None:
           self.cached.store(key, {'piece': piece})
     if piece is None:
@@ -141,26 +142,30 @@ class Streaming:
     the window, compiled for training by the pieces' search. ``None`` if there is none. Forgotten once taken."""
     return self._whole_compiled.pop((batch_size, via_window), None)
 
-  def _fits_whole(self, request) -> bool:
-    """Whether the batch's step fits in one micro-batch, with the whole next batch sent ahead: a quick probe, or
-    where the planner compiles that step for training first, that compilation (kept for :meth:`take_whole`)."""
+  def _whole_bytes(self, request) -> Optional[int]:
+    """The bytes of the batch's step in one micro-batch, with the whole next batch sent ahead (``None`` where
+    its fixed bytes alone exceed the budget: not measured): a quick probe, or where the planner compiles that step
+    for training first, that compilation (kept for :meth:`take_whole` where it fits)."""
     batch_size = request.layout.batch_size
     if self.model.fixed_bytes(request.inputs, request.targets) > self.budget.bytes():
-      return False
+      return None
     with values_restored(self.model.variables(), any_shape=True):
       self.model.reset(batch_size)
       one = plan_micro_batches(batch_size, num_micro_batch=1)._replace(remat=False if self.remat == 'auto' else None)
       if not (compiles_whole_first() and request.compilers.keepable(False)):
-        return memory_parts(request.compilers.step_bytes(one, *request.batch, False))[0] <= self.budget.bytes()
+        return memory_parts(request.compilers.step_bytes(one, *request.batch, False))[0]
       planned = request.compilers.trial(one, *request.batch, False)
-    if planned.memory.total > self.budget.bytes():
-      return False
-    self._whole_compiled[batch_size, False] = (one, planned)
-    return True
+    if planned.memory.total <= self.budget.bytes():
+      self._whole_compiled[batch_size, False] = (one, planned)
+    return planned.memory.total
 
-  def _largest_piece(self, request, search: 'ChunkSearch', states: int) -> Optional[int]:
+  def _largest_piece(self, request, search: 'ChunkSearch', states: int, whole: Optional[int] = None
+                     ) -> Optional[int]:
     """The piece to stream a batch in (see :meth:`pieces`), planned; ``None`` if no piece of one micro-batch fits
-    beside the next piece and the batch's model state (``states`` bytes)."""
+    beside the next piece and the batch's model state (``states`` bytes). ``whole``: the bytes of the batch's step
+    in one micro-batch, measured just before: scaled to a piece's samples (its data, sent ahead too, and its
+    activations grow with them), the guess where the search starts, in place of half the batch (a guess only
+    orders the probes: the piece chosen is measured as without it)."""
     batch_size, budget = request.layout.batch_size, self.budget.bytes()
     measured: Dict[int, int] = {}
     # where the planner compiles a step for training first (a TPU), each probe is that compilation, and the
@@ -184,8 +189,10 @@ class Streaming:
 
     sizes = [size for size in candidate_micro_batch_sizes(batch_size) if size < batch_size]
     roomy = min(budget, int(PIECE_FILL * budget) + states)  # room for the device's allocations, where it can
+    guess = None if whole is None else (lambda size: states + whole * size / batch_size)
+    within = lambda limit: largest_fitting(sizes, limit, measure, guess=guess)
     try:
-      found = largest_fitting(sizes, roomy, measure) or largest_fitting(sizes, budget, measure)
+      found = within(roomy) or within(budget)
       piece = None if found is None else _even_piece(batch_size, found[0], sizes)
       return None if piece is None or search.micro_batch_of(piece) is None else piece
     finally:  # the steps of the pieces not chosen are not kept

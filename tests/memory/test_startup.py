@@ -361,6 +361,26 @@ def test_whole_first_a_cached_plan_of_a_batch_sent_ahead_is_compiled_once(data, 
     assert [plan.micro_batch_size for plan in trials] == [SIZE], (run, trials)
 
 
+def test_whole_first_pieces_search_starts_where_the_whole_batch_predicts(data, monkeypatch):
+  """A TPU's path, forced on the CPU: the whole batch's compilation, which decides that the batch streams in
+  pieces, scaled to a piece's samples is where the pieces' search starts, so half the batch (far above the piece
+  that fits) is not compiled; the piece chosen is the one the search finds without that guess."""
+  batches, budget, _ = data
+  trials, real = [], CompiledSteps._compiled_for_training
+  monkeypatch.setattr(CompiledSteps, '_compiled_for_training', lambda self, plan, *args, **kwargs: trials.append(
+    plan.batch_size) or real(self, plan, *args, **kwargs))
+  trainer = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
+  with overlapping(True), whole_first(True):
+    trainer.plan_memory(*batches[0])
+  assert trainer.stream_chunks[SIZE] <= SIZE // 3 and SIZE // 2 not in trials, (trainer.stream_chunks, trials)
+  assert trials[0] == SIZE and len(trials) <= 3, trials
+  unguided = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
+  monkeypatch.setattr(unguided.planner.streaming, '_whole_bytes', lambda request: None)
+  with overlapping(True), whole_first(True):
+    unguided.plan_memory(*batches[0])
+  assert unguided.stream_chunks == trainer.stream_chunks
+
+
 def test_whole_first_plans_pieces_sent_ahead_and_trains_as_the_fixed_plan(data, monkeypatch):
   """A TPU's path, forced on the CPU: the batch sent ahead streams in pieces of one micro-batch, each piece's step
   compiled for training first, and the chosen piece's compilation is the one its plan keeps: no step is compiled
