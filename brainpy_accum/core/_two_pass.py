@@ -21,6 +21,7 @@ in the whole-batch run.
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import brainpy.math as bm
+import brainstate
 import jax
 import jax.numpy as jnp
 
@@ -29,7 +30,7 @@ from ._cut import MicroBatchPlan
 from ._metrics import MetricPlan
 from ._batch import second_sizes, traced_shapes
 from ._states import restore_values, values_of
-from ._written import WriteReport, restart
+from ._written import WriteReport, is_trainable, restart
 
 __all__ = ['Devices', 'forward_outputs', 'forward_pass', 'loss_and_cotangents', 'output_axes', 'pull_back',
            'second_sizes', 'traced_shapes', 'two_pass_sums', 'whole_batch_like']
@@ -81,11 +82,28 @@ def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, 
   return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes, metrics, report)
 
 
-def loss_and_cotangents(loss_of: Callable, outputs) -> Tuple[Any, Any, Any]:
-  """``(loss, aux, d loss / d outputs)`` of ``loss_of(outputs) -> (loss, aux)`` on the whole batch."""
-  loss, pull, aux = jax.vjp(loss_of, outputs, has_aux=True)
-  (cotangents,) = pull(jnp.ones_like(loss))
-  return loss, aux, cotangents
+def loss_and_cotangents(loss_of: Callable, outputs, params: Optional[dict] = None) -> Tuple[Any, Any, Any, Any]:
+  """``(loss, aux, d loss / d outputs, d loss / d params)`` of ``loss_of(outputs) -> (loss, aux)`` on the whole
+  batch. The last is the gradient of the terms that read the Variables ``params`` themselves (a weight
+  regulariser), the outputs held fixed: the rest of the gradient comes through the outputs (pass 2); ``None``
+  without ``params``.
+
+  Examples
+  --------
+  >>> import brainpy.math as bm, jax.numpy as jnp
+  >>> w = bm.TrainVar(jnp.full(2, 3.))
+  >>> loss_of = lambda outputs: (jnp.sum(outputs * w.value) + jnp.sum(w.value ** 2), {})
+  >>> loss, aux, cotangents, direct = loss_and_cotangents(loss_of, jnp.ones(2), {'w': w})
+  >>> float(loss), cotangents.tolist(), direct['w'].tolist()  # d/dw of the regulariser alone: 2 w
+  (24.0, [3.0, 3.0], [6.0, 6.0])
+  """
+  if params is None:
+    loss, pull, aux = jax.vjp(loss_of, outputs, has_aux=True)
+    (cotangents,) = pull(jnp.ones_like(loss))
+    return loss, aux, cotangents, None
+  direct_of = bm.grad(loss_of, grad_vars=params, argnums=0, has_aux=True, return_value=True, allow_int=True)
+  (direct, cotangents), loss, aux = direct_of(outputs)
+  return loss, aux, cotangents, {k: bm.as_jax(g) for k, g in direct.items()}
 
 
 def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroBatchPlan, states, cotangents,
@@ -165,7 +183,7 @@ def own_share(cotangents, out_axes, share: int, devices: Devices):
 
 def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], replayed: Sequence, args: tuple,
                   axes, plan: MicroBatchPlan, states, devices: Optional[Devices] = None,
-                  report: Optional[WriteReport] = None) -> Sums:
+                  report: Optional[WriteReport] = None, on_read: Optional[Callable[[list], None]] = None) -> Sums:
   """The whole step: pass 1, ``loss_of(outputs) -> (loss, aux)`` once, pass 2: the gradient with respect to
   the Variables ``params`` (``None``: no pass 2).
 
@@ -175,11 +193,21 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   loss of the whole batch, pulls back its own share of the loss gradient, and returns weight ``1 / D``, so
   that the one sum over devices that follows gives the whole batch's gradient and loss; the metrics are the
   whole batch's on every device, taken as they are. ``report``: as for :func:`~brainpy_accum.core.accumulate`.
+  ``on_read(states)``, given, is called while the step is traced with the states of the model that the loss
+  reads itself and the forward pass writes (the batch's hidden states among ``states``, and those written
+  without a batch axis), if any: the loss reads them after pass 1, not as the whole batch's forward pass left
+  them, and reaches them through no output, so no gradient flows back through them into the forward pass (the
+  parameters it reads itself are differentiated: :func:`loss_and_cotangents`).
   """
   before = values_of(replayed)
   sums, out_axes = forward_pass(forward, args, axes, plan, states, report=report)
   outputs = sums.samples if devices is None else gather_outputs(sums.samples, out_axes, devices)
-  loss, aux, cotangents = loss_and_cotangents(loss_of, outputs)
+  with brainstate.StateTraceStack() as trace:
+    loss, aux, cotangents, direct = loss_and_cotangents(loss_of, outputs, params)
+  forward_wrote = {id(s) for s, _ in states} | {id(s) for s in sums.written.states}
+  read = [s for s in trace.states if id(s) in forward_wrote and not is_trainable(s)]
+  if read and on_read is not None:
+    on_read(read)
   weight = 1. if devices is None else 1. / devices.count
   loss = loss * weight if devices is not None else loss  # the metrics stay the whole batch's, equal on every device
   if params is None:
@@ -192,4 +220,6 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   grads, written = pull_back(forward, grad, args, axes, plan, states, cotangents, out_axes,
                              {k: v.value for k, v in params.items()}, 1. if devices is None else 1. / devices.count,
                              report)
+  # the terms that read the parameters themselves, once (each device's share: 1 / D of them)
+  grads = {k: g + (direct[k] * weight).astype(g.dtype) for k, g in grads.items()}
   return Sums(grads, weight, loss, aux, None, written=written)

@@ -11,6 +11,7 @@ What it computes with (the model, the loss, the plan of a batch size, the window
 
 import contextlib
 import functools
+import warnings
 from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import brainpy.math as bm
@@ -115,7 +116,9 @@ class CompiledSteps:
     # warns of Variables without a batch axis that the micro-batches wrote differently, by their names in the model;
     # the steps' flags are an output of each step (a Variable), read where the fit loop reads the losses
     named = parts.model.vars().unique()
-    self.writes = WriteReport({id(v): k for k, v in named.items()},
+    self._names = {id(v): k for k, v in named.items()}
+    self._read_warned = False  # whole_batch_loss=True: loss_fun reads a state the forward pass writes (once)
+    self.writes = WriteReport(self._names,
                               None if parts.window is None and options.mesh is None else WINDOW_HOLDS,
                               WriteEvidence(list(named.values()), options.mesh_axis if options.mesh else None))
     self.planner = None  # the plans its steps are traced with (:meth:`attach`)
@@ -359,7 +362,22 @@ class CompiledSteps:
     devices = None if self.options.mesh is None else Devices(self.options.mesh_axis, self.options.devices)
     return functools.partial(two_pass_sums, self.parts.forward(shared_args),
                              lambda p: self.parts.loss_of(p, targets), params, replayed, devices=devices,
-                             report=self.writes)
+                             report=self.writes, on_read=self._warn_read)
+
+  def _warn_read(self, states: list) -> None:
+    """``whole_batch_loss=True``, ``loss_fun`` reads states of the model that its forward pass writes: warn once,
+    naming them, that neither their value nor their gradient is bp.BPTT's, and how to make it exact."""
+    if self._read_warned:
+      return
+    self._read_warned = True
+    names = ', '.join(self._names.get(id(s), type(s).__name__) for s in states)
+    warnings.warn(f'loss_fun reads {names} itself, which the model writes as it runs: with whole_batch_loss=True the '
+                  f'loss is evaluated once, after the micro-batches\' forward passes, on the whole batch\'s outputs, so '
+                  f'what it reads of the model\'s states is not the whole-batch value bp.BPTT\'s loss reads, and no '
+                  f'gradient flows back through it: this trains another objective where the loss depends on it. '
+                  f'Monitor it instead (monitors={{\'name\': variable}}) and read it from predicts, where it is the '
+                  f'whole batch\'s and its gradient is pulled back, or train without whole_batch_loss (each '
+                  f'micro-batch\'s loss reads its own).', UserWarning, stacklevel=2)
 
   # ------------------------------------------------------------------ compiled ahead of time
 

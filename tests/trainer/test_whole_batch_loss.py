@@ -96,6 +96,42 @@ def test_two_passes_equal_bptt_on_the_whole_batch(case):
   _assert_same_run(actual, expected)
 
 
+def test_two_passes_differentiate_terms_that_read_the_parameters():
+  """A term of the loss that reads the model's parameters itself (a weight regulariser beside a batch maximum)
+  reaches them through no output: its gradient is taken with the loss of the whole batch and added once to the
+  outputs' pulled back, as bp.BPTT's gradient holds it."""
+  def trainer(cls, **kwargs):
+    model = make_model('rnn')
+    params = list(model.train_vars().unique().values())
+
+    def loss(predicts, targets):
+      value, aux = batch_max(predicts, targets)
+      return value + 0.05 * sum(bm.sum(p.value ** 2) for p in params), aux
+    return cls(model, loss, optimizer=bp.optim.Adam(lr=2e-2), loss_has_aux=True, progress_bar=False, **kwargs)
+
+  batches = make_batches((10, 7))
+  expected, actual = trainer(bp.BPTT), trainer(AccumBPTT, num_micro_batch=3, whole_batch_loss=True)
+  for run in (expected, actual):
+    run.fit(batches, test_data=batches[:1], num_epoch=2)
+  _assert_same_run(actual, expected)
+
+
+def test_two_passes_warn_where_the_loss_reads_a_state_the_model_writes():
+  """A loss that reads the model's hidden state itself, not through an output: after the micro-batches' forward
+  passes that is not the whole batch's value, and no gradient flows back through it: a warning names the state
+  and the fix (monitor it), once."""
+  model = make_model('rnn')
+  state = next(name for name, v in model.vars().unique().items() if not isinstance(v, bm.TrainVar))
+
+  def loss(predicts, targets):
+    return batch_max(predicts, targets)[0] + bm.mean(model.vars().unique()[state].value ** 2)
+  trainer = AccumBPTT(model, loss, optimizer=bp.optim.Adam(lr=2e-2), num_micro_batch=3, whole_batch_loss=True,
+                      progress_bar=False)
+  with pytest.warns(UserWarning, match=f'loss_fun reads {state} itself.*Monitor it instead') as caught:
+    trainer.fit(make_batches((10, 10)), num_epoch=2)
+  assert sum('loss_fun reads' in str(w.message) for w in caught) == 1
+
+
 class _Elementwise(bp.DynamicalSystem):
   """``tanh(x * w + b)``: a model without a matmul."""
 
