@@ -96,7 +96,9 @@ def _target_candidates(path, shape, batch_size: int, preferred: int, forced: Opt
     looked = (forced,) if forced is not None else tuple(dict.fromkeys((preferred, 0, 1)))
     raise ValueError(f'{_describe("targets", path)} has shape {shape}, but the inputs hold batch_size={batch_size} '
                      f'samples and no target axis among {looked} has that size. Give targets with the '
-                     f'same samples as the inputs, or set target_batch_axis to the axis that holds them.')
+                     f'same samples as the inputs, or set target_batch_axis to the axis that holds them. Targets '
+                     f'are cut into micro-batches with the inputs: a value that holds no samples (class weights, a '
+                     f'mask over classes) belongs in loss_fun instead, bound with functools.partial or a closure.')
   return candidates
 
 

@@ -372,7 +372,8 @@ class CompiledSteps:
     self._read_warned = True
     names = ', '.join(self._names.get(id(s), type(s).__name__) for s in states)
     warnings.warn(f'loss_fun reads {names} itself, which the model writes as it runs: with whole_batch_loss=True the '
-                  f'loss is evaluated once, after the micro-batches\' forward passes, on the whole batch\'s outputs, so '
+                  f'loss is evaluated once, after the micro-batches\' forward passes, on the whole batch\'s outputs, '
+                  f'so '
                   f'what it reads of the model\'s states is not the whole-batch value bp.BPTT\'s loss reads, and no '
                   f'gradient flows back through it: this trains another objective where the loss depends on it. '
                   f'Monitor it instead (monitors={{\'name\': variable}}) and read it from predicts, where it is the '

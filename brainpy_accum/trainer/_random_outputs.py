@@ -440,12 +440,14 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
   how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
   warn_coupled(f'its value on {on} is {whole:.7g}, but the {how} of its values on the '
                 f'{plan.describe_cuts()} micro-batches is {combined:.7g} (difference {whole - combined:.3g})', point,
-                statistics)
+                statistics, grad_reduction)
   return True
 
 
-def warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
+def warn_coupled(what: str, point: str, statistics: Sequence[str] = (), reduction: str = 'mean') -> None:
   seen = f'random outputs ({point}) in place of the model\'s, {what}'
+  # whole_batch_loss trains loss_fun of the whole batch as it is: grad_reduction has nothing to combine there
+  whole_batch = 'whole_batch_loss=True' + (" (without grad_reduction='sum')" if reduction == 'sum' else '')
   if statistics:
     warnings.warn(f'loss_fun couples the samples of a batch beyond its batch statistics '
                   f'({", ".join(statistics)}, which every micro-batch sees whole): with the first batch\'s data and '
@@ -453,12 +455,12 @@ def warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
                   f'statistic of a statistic, or another mean over the batch left unmarked is not exact over '
                   f'micro-batches: accumulating their gradients would train another objective. Write it as a function '
                   f'of batch statistics alone (e.g. batch_mean(x ** 2) - batch_mean(x) ** 2), or pass '
-                  f'whole_batch_loss=True to train the whole-batch loss exactly.', UserWarning, stacklevel=4)
+                  f'{whole_batch} to train the whole-batch loss exactly.', UserWarning, stacklevel=4)
     return
   warnings.warn(f'loss_fun couples the samples of a batch: with the first batch\'s data and {seen}. Accumulating '
                 f'micro-batch gradients would train that other objective (e.g. a batch-wide firing-rate regulariser, '
-                f'or a spike count summed over the batch, shrinks with the micro-batch). Two ways train the '
+                f'or a spike count summed over the batch, changes with the micro-batch\'s size). Two ways train the '
                 f'whole-batch loss exactly: where the coupling is a mean or a sum over the batch (a firing rate), '
                 f'compute it with brainpy_accum.batch_mean(x, axis=...) or batch_sum (each micro-batch then sees the '
-                f'whole batch\'s value, at one micro-batch\'s memory); for any loss, pass whole_batch_loss=True (it '
+                f'whole batch\'s value, at one micro-batch\'s memory); for any loss, pass {whole_batch} (it '
                 f'keeps the whole batch\'s outputs); or make the loss a mean over samples.', UserWarning, stacklevel=4)

@@ -116,6 +116,18 @@ def test_losses_that_accumulate_exactly_stay_silent(loss, options):
   assert not _coupled(record) and not [w for w in record if 'Could not check' in str(w.message)]
 
 
+@pytest.mark.parametrize('reduction', ['mean', 'sum'])
+def test_coupled_warning_offers_only_a_fix_that_is_accepted(reduction):
+  """whole_batch_loss trains loss_fun of the whole batch as it is and refuses grad_reduction='sum' (nothing to
+  combine): the warning of a 'sum' trainer names the fix with that option dropped."""
+  from brainpy_accum.trainer._random_outputs import POINTS, warn_coupled_loss
+  with pytest.warns(UserWarning, match='couples the samples') as caught:
+    assert warn_coupled_loss(1., 2., plan_micro_batches(6, num_micro_batch=2), reduction, POINTS[0])
+  text = str(caught[0].message)
+  assert ("whole_batch_loss=True (without grad_reduction='sum')" in text) == (reduction == 'sum')
+  assert 'whole_batch_loss=True' in text and 'shrinks' not in text
+
+
 @pytest.mark.parametrize('loss', MEANS_OVER_ELEMENTS, ids=lambda f: f.__name__)
 def test_brainpys_means_over_elements_are_size_weighted_means_of_any_split(loss):
   """Why the check may skip them: on any values, any tree of outputs and any cut of the batch, the whole batch's

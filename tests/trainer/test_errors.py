@@ -1,6 +1,7 @@
 """Bad input is rejected with a clear message, before parameters or optimizer state change."""
 
 import brainpy as bp
+import numpy as np
 import pytest
 from brainpy._errors import NoLongerSupportError, UnsupportedError
 
@@ -94,6 +95,15 @@ def test_target_batch_axis_names_the_fix():
   trainer = make_trainer(data_first_axis='T', target_batch_axis=2)
   with pytest.raises(ValueError, match='set target_batch_axis to the axis that holds them'):
     trainer.fit([(x, y)], num_epoch=1)
+
+
+def test_a_target_leaf_that_holds_no_samples_is_refused_with_the_fix_that_works():
+  """Class weights beside the labels hold no samples: every target leaf is cut, so the error says to bind them into
+  loss_fun (target_batch_axis cannot leave a leaf whole)."""
+  x, y = make_batches((6,))[0]
+  trainer = make_trainer()
+  with pytest.raises(ValueError, match=r"targets\['w'\] has shape \(3,\).*belongs in loss_fun instead"):
+    trainer.fit([(x, {'y': y, 'w': np.ones(3, np.float32)})], num_epoch=1)
 
 
 def test_non_dict_aux_is_a_type_error():
