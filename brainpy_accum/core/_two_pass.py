@@ -94,8 +94,8 @@ def loss_and_cotangents(loss_of: Callable, outputs, params: Optional[dict] = Non
   >>> w = bm.TrainVar(jnp.full(2, 3.))
   >>> loss_of = lambda outputs: (jnp.sum(outputs * w.value) + jnp.sum(w.value ** 2), {})
   >>> loss, aux, cotangents, direct = loss_and_cotangents(loss_of, jnp.ones(2), {'w': w})
-  >>> float(loss), cotangents.tolist(), direct['w'].tolist()  # d/dw of the regulariser alone: 2 w
-  (24.0, [3.0, 3.0], [6.0, 6.0])
+  >>> float(loss), cotangents.tolist(), direct['w'].tolist()  # d/dw of the terms that read w: outputs + 2 w
+  (24.0, [3.0, 3.0], [7.0, 7.0])
   """
   if params is None:
     loss, pull, aux = jax.vjp(loss_of, outputs, has_aux=True)
