@@ -294,19 +294,10 @@ def test_whole_batch_loss_over_devices_equals_bptt(mesh, case):
 def test_whole_batch_loss_over_devices_differentiates_terms_that_read_the_parameters(mesh):
   """A weight regulariser in loss_fun beside a batch maximum: every device differentiates the whole batch's loss
   with respect to the parameters it reads and adds its 1/8 share, so the one all-reduce sums that part once."""
-  from test_whole_batch_loss import _assert_same_run, batch_max
-
-  def trainer(cls, **kwargs):
-    model = make_model('rnn')
-    params = list(model.train_vars().unique().values())
-
-    def loss(predicts, targets):
-      value, aux = batch_max(predicts, targets)
-      return value + 0.05 * sum(bm.sum(p.value ** 2) for p in params), aux
-    return cls(model, loss, optimizer=bp.optim.Adam(lr=2e-2), loss_has_aux=True, progress_bar=False, **kwargs)
-
+  from test_whole_batch_loss import _assert_same_run, regularised_trainer
   batches = make_batches((16, 24))
-  expected, actual = trainer(bp.BPTT), trainer(AccumBPTT, num_micro_batch=2, whole_batch_loss=True, mesh=mesh)
+  expected = regularised_trainer(bp.BPTT)
+  actual = regularised_trainer(AccumBPTT, num_micro_batch=2, whole_batch_loss=True, mesh=mesh)
   for run_ in (expected, actual):
     run_.fit(batches, test_data=batches[:1], num_epoch=2)
   _assert_same_run(actual, expected)

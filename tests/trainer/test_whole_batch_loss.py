@@ -96,21 +96,25 @@ def test_two_passes_equal_bptt_on_the_whole_batch(case):
   _assert_same_run(actual, expected)
 
 
+def regularised_trainer(cls, **kwargs):
+  """A trainer of the rate network whose loss is a batch maximum plus a weight regulariser that reads the
+  model's parameters itself."""
+  model = make_model('rnn')
+  params = list(model.train_vars().unique().values())
+
+  def loss(predicts, targets):
+    value, aux = batch_max(predicts, targets)
+    return value + 0.05 * sum(bm.sum(p.value ** 2) for p in params), aux
+  return cls(model, loss, optimizer=bp.optim.Adam(lr=2e-2), loss_has_aux=True, progress_bar=False, **kwargs)
+
+
 def test_two_passes_differentiate_terms_that_read_the_parameters():
   """A term of the loss that reads the model's parameters itself (a weight regulariser beside a batch maximum)
   reaches them through no output: its gradient is taken with the loss of the whole batch and added once to the
   outputs' pulled back, as bp.BPTT's gradient holds it."""
-  def trainer(cls, **kwargs):
-    model = make_model('rnn')
-    params = list(model.train_vars().unique().values())
-
-    def loss(predicts, targets):
-      value, aux = batch_max(predicts, targets)
-      return value + 0.05 * sum(bm.sum(p.value ** 2) for p in params), aux
-    return cls(model, loss, optimizer=bp.optim.Adam(lr=2e-2), loss_has_aux=True, progress_bar=False, **kwargs)
-
   batches = make_batches((10, 7))
-  expected, actual = trainer(bp.BPTT), trainer(AccumBPTT, num_micro_batch=3, whole_batch_loss=True)
+  expected = regularised_trainer(bp.BPTT)
+  actual = regularised_trainer(AccumBPTT, num_micro_batch=3, whole_batch_loss=True)
   for run in (expected, actual):
     run.fit(batches, test_data=batches[:1], num_epoch=2)
   _assert_same_run(actual, expected)
