@@ -7,7 +7,8 @@ for contrastive losses (Gao et al. 2021, arXiv:2101.06983):
 
 1. :func:`forward_outputs` runs every micro-batch forward, without a backward pass, keeping only its
    outputs (what the loss receives), written into whole-batch buffers;
-2. the loss of the whole batch's outputs and its gradient with respect to them (``jax.vjp``);
+2. the loss of the whole batch's outputs and its gradient with respect to them, and to the parameters it
+   reads itself (a weight regulariser: that part reaches them through no output, and is added once);
 3. :func:`pull_back` runs every micro-batch again, forward and backward, from the same initial state (the
    caller restores states and random keys), pulling back its slice of that gradient; the sum over
    micro-batches is the whole batch's gradient.
@@ -200,14 +201,11 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   parameters it reads itself are differentiated: :func:`loss_and_cotangents`).
   """
   before = values_of(replayed)
-  sums, out_axes = forward_pass(forward, args, axes, plan, states, report=report)
+  with brainstate.StateTraceStack() as forward_trace:
+    sums, out_axes = forward_pass(forward, args, axes, plan, states, report=report)
   outputs = sums.samples if devices is None else gather_outputs(sums.samples, out_axes, devices)
-  with brainstate.StateTraceStack() as trace:
-    loss, aux, cotangents, direct = loss_and_cotangents(loss_of, outputs, params)
-  forward_wrote = {id(s) for s, _ in states} | {id(s) for s in sums.written.states}
-  read = [s for s in trace.states if id(s) in forward_wrote and not is_trainable(s)]
-  if read and on_read is not None:
-    on_read(read)
+  loss, aux, cotangents, direct, last_word = _loss_of_the_whole_batch(loss_of, outputs, params,
+                                                                      _written(forward_trace), on_read)
   weight = 1. if devices is None else 1. / devices.count
   loss = loss * weight if devices is not None else loss  # the metrics stay the whole batch's, equal on every device
   if params is None:
@@ -222,4 +220,27 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
                              report)
   # the terms that read the parameters themselves, once (each device's share: 1 / D of them)
   grads = {k: g + (direct[k] * weight).astype(g.dtype) for k, g in grads.items()}
+  for state, value in last_word:  # the loss ran after the forward pass: what it wrote stands, as in bp.BPTT
+    state.value = value
   return Sums(grads, weight, loss, aux, None, written=written)
+
+
+def _written(trace) -> set:
+  """The ids of the states ``trace`` (a ``brainstate.StateTraceStack``) saw written."""
+  return {id(s) for s, wrote in zip(trace.states, trace.been_writen) if wrote}
+
+
+def _loss_of_the_whole_batch(loss_of: Callable, outputs, params: Optional[dict], forward_wrote: set,
+                             on_read: Optional[Callable[[list], None]]):
+  """:func:`loss_and_cotangents` of the whole batch's ``outputs``, and ``last_word``: the states the loss wrote
+  (a random key it drew from, a Variable it set) with their values then, for the step to end with (pass 2, which
+  replays the forward pass from its start, rewinds them). ``on_read`` receives the model's states that the loss
+  reads and the forward pass wrote (``forward_wrote``: their ids), parameters aside."""
+  with brainstate.StateTraceStack() as trace:
+    loss, aux, cotangents, direct = loss_and_cotangents(loss_of, outputs, params)
+  read = [s for s in trace.states if id(s) in forward_wrote and not is_trainable(s)]
+  if read and on_read is not None:
+    on_read(read)
+  wrote = _written(trace)
+  last_word = [(s, s.value) for s in trace.states if id(s) in wrote]
+  return loss, aux, cotangents, direct, last_word

@@ -366,19 +366,17 @@ class CompiledSteps:
 
   def _warn_read(self, states: list) -> None:
     """``whole_batch_loss=True``, ``loss_fun`` reads states of the model that its forward pass writes: warn once,
-    naming them, that neither their value nor their gradient is bp.BPTT's, and how to make it exact."""
+    naming them, that no gradient flows back through them (bp.BPTT's does), and how to make it exact."""
     if self._read_warned:
       return
     self._read_warned = True
     names = ', '.join(self._names.get(id(s), type(s).__name__) for s in states)
-    warnings.warn(f'loss_fun reads {names} itself, which the model writes as it runs: with whole_batch_loss=True the '
-                  f'loss is evaluated once, after the micro-batches\' forward passes, on the whole batch\'s outputs, '
-                  f'so '
-                  f'what it reads of the model\'s states is not the whole-batch value bp.BPTT\'s loss reads, and no '
-                  f'gradient flows back through it: this trains another objective where the loss depends on it. '
-                  f'Monitor it instead (monitors={{\'name\': variable}}) and read it from predicts, where it is the '
-                  f'whole batch\'s and its gradient is pulled back, or train without whole_batch_loss (each '
-                  f'micro-batch\'s loss reads its own).', UserWarning, stacklevel=2)
+    warnings.warn(f'loss_fun reads {names} itself, a state the model writes as it runs: with whole_batch_loss=True no '
+                  f'gradient flows back through that read into the forward passes (bp.BPTT\'s does). If the loss '
+                  f'depends on it through the parameters (a hidden state, a membrane potential), this trains another '
+                  f'objective: monitor it instead (monitors={{\'name\': variable}}) and read it from predicts, where '
+                  f'its gradient is pulled back, or train without whole_batch_loss (each micro-batch\'s loss reads '
+                  f'its own). If it does not (a step counter), nothing is lost.', UserWarning, stacklevel=2)
 
   # ------------------------------------------------------------------ compiled ahead of time
 

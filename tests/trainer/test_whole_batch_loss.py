@@ -120,6 +120,31 @@ def test_two_passes_differentiate_terms_that_read_the_parameters():
   _assert_same_run(actual, expected)
 
 
+def test_what_the_loss_writes_and_draws_is_the_steps_last_word():
+  """A loss that draws random numbers and writes a Variable of its own: the second pass replays the forward pass
+  from its start, but the key the loss advanced and the Variable it set end the step as the loss left them, as in
+  bp.BPTT (else every step's loss would draw the same numbers)."""
+  def trainer(cls, **kwargs):
+    model = make_model('rnn')
+    model.store = bm.Variable(bm.zeros(()))
+
+    def loss(predicts, targets):
+      value, aux = batch_max(predicts, targets)
+      value = value + bm.mean(predicts * bm.random.normal(size=predicts.shape))
+      model.store.value = model.store.value + value
+      return value, aux
+    return cls(model, loss, optimizer=bp.optim.Adam(lr=2e-2), loss_has_aux=True, progress_bar=False, **kwargs)
+
+  batches = make_batches((10, 7))
+  expected = trainer(bp.BPTT)
+  expected.fit(batches, num_epoch=2)
+  actual = trainer(AccumBPTT, num_micro_batch=3, whole_batch_loss=True)  # (built after: the same random key)
+  actual.fit(batches, num_epoch=2)
+  assert_trees_close(params_of(actual.target), params_of(expected.target))
+  np.testing.assert_allclose(actual.train_losses, expected.train_losses, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(actual.target.store.value), float(expected.target.store.value), rtol=1e-5)
+
+
 def test_two_passes_warn_where_the_loss_reads_a_state_the_model_writes():
   """A loss that reads the model's hidden state itself, not through an output: after the micro-batches' forward
   passes that is not the whole batch's value, and no gradient flows back through it: a warning names the state
@@ -131,7 +156,7 @@ def test_two_passes_warn_where_the_loss_reads_a_state_the_model_writes():
     return batch_max(predicts, targets)[0] + bm.mean(model.vars().unique()[state].value ** 2)
   trainer = AccumBPTT(model, loss, optimizer=bp.optim.Adam(lr=2e-2), num_micro_batch=3, whole_batch_loss=True,
                       progress_bar=False)
-  with pytest.warns(UserWarning, match=f'loss_fun reads {state} itself.*Monitor it instead') as caught:
+  with pytest.warns(UserWarning, match=f'loss_fun reads {state} itself.*monitor it instead') as caught:
     trainer.fit(make_batches((10, 10)), num_epoch=1)
   assert sum('loss_fun reads' in str(w.message) for w in caught) == 1
 
