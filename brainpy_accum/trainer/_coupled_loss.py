@@ -146,7 +146,7 @@ def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan,
                       f'{"sum" if reduction == "sum" else "weighted mean"} of its values on the '
                       f'{plan.describe_cuts()} micro-batches by up to {difference / scale:.3g} of its largest entry '
                       f'(the loss itself: {whole[LEVELS]:.7g} and {combined[LEVELS]:.7g})', POINTS[LEVELS],
-                      names.statistics, reduction)
+                      names.statistics)
         return
 
 

@@ -440,14 +440,14 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
   how = 'sum' if grad_reduction == 'sum' else 'weighted mean'
   warn_coupled(f'its value on {on} is {whole:.7g}, but the {how} of its values on the '
                 f'{plan.describe_cuts()} micro-batches is {combined:.7g} (difference {whole - combined:.3g})', point,
-                statistics, grad_reduction)
+                statistics)
   return True
 
 
-def warn_coupled(what: str, point: str, statistics: Sequence[str] = (), reduction: str = 'mean') -> None:
+def warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
   seen = f'random outputs ({point}) in place of the model\'s, {what}'
-  # whole_batch_loss trains loss_fun of the whole batch as it is: grad_reduction has nothing to combine there
-  whole_batch = 'whole_batch_loss=True' + (" (without grad_reduction='sum')" if reduction == 'sum' else '')
+  # it trains loss_fun of the whole batch as it is, and refuses options that weigh micro-batches
+  whole_batch = 'whole_batch_loss=True (with grad_reduction and loss_weight_fn left at their defaults)'
   if statistics:
     warnings.warn(f'loss_fun couples the samples of a batch beyond its batch statistics '
                   f'({", ".join(statistics)}, which every micro-batch sees whole): with the first batch\'s data and '

@@ -1,5 +1,6 @@
 """The default mode's first-batch check sees a coupled loss at random outputs, whatever the model's first outputs."""
 
+import contextlib
 import threading
 import warnings
 
@@ -116,16 +117,23 @@ def test_losses_that_accumulate_exactly_stay_silent(loss, options):
   assert not _coupled(record) and not [w for w in record if 'Could not check' in str(w.message)]
 
 
-@pytest.mark.parametrize('reduction', ['mean', 'sum'])
-def test_coupled_warning_offers_only_a_fix_that_is_accepted(reduction):
-  """whole_batch_loss trains loss_fun of the whole batch as it is and refuses grad_reduction='sum' (nothing to
-  combine): the warning of a 'sum' trainer names the fix with that option dropped."""
+@pytest.mark.parametrize('options', [{}, dict(grad_reduction='sum'), dict(loss_weight_fn=lambda x, y: 1.)],
+                         ids=['defaults', 'sum', 'loss_weight_fn'])
+def test_coupled_warning_offers_a_fix_that_is_accepted(options):
+  """The coupled-loss warning's fix, followed as it says, is accepted whatever the trainer's options:
+  whole_batch_loss=True trains loss_fun of the whole batch as it is, with the weighing options at their defaults."""
   from brainpy_accum.trainer._random_outputs import POINTS, warn_coupled_loss
   with pytest.warns(UserWarning, match='couples the samples') as caught:
-    assert warn_coupled_loss(1., 2., plan_micro_batches(6, num_micro_batch=2), reduction, POINTS[0])
+    assert warn_coupled_loss(1., 2., plan_micro_batches(6, num_micro_batch=2), options.get('grad_reduction', 'mean'),
+                             POINTS[0])
   text = str(caught[0].message)
-  assert ("whole_batch_loss=True (without grad_reduction='sum')" in text) == (reduction == 'sum')
-  assert 'whole_batch_loss=True' in text and 'shrinks' not in text
+  assert 'whole_batch_loss=True (with grad_reduction and loss_weight_fn left at their defaults)' in text
+  assert 'shrinks' not in text
+  AccumBPTT(make_model('rnn'), bp.losses.mean_squared_error, bp.optim.Adam(lr=0.01), whole_batch_loss=True,
+            num_micro_batch=2, progress_bar=False)  # the fix: accepted
+  with pytest.raises(ValueError, match='whole_batch_loss') if options else contextlib.nullcontext():
+    AccumBPTT(make_model('rnn'), bp.losses.mean_squared_error, bp.optim.Adam(lr=0.01), whole_batch_loss=True,
+              num_micro_batch=2, progress_bar=False, **options)  # the options kept: refused, as the warning says
 
 
 @pytest.mark.parametrize('loss', MEANS_OVER_ELEMENTS, ids=lambda f: f.__name__)
