@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._states import values_restored
-from ._budget import (PlannedStep, candidate_micro_batch_sizes, compiles_whole_first, format_memory, largest_fitting,
-                      memory_parts, state_bytes)
+from ._budget import (PlannedStep, StepMemory, argument_bytes, candidate_micro_batch_sizes, compiles_whole_first,
+                      format_memory, largest_fitting, memory_parts, state_bytes)
 from ._cache import CachedPlans
 from ._device import PlanBudget
 from ._stream import best_chunk, chunk_candidates, host_chunk, likely_chunk
@@ -117,7 +117,7 @@ class Streaming:
       piece = self.cached.piece(key, batch_size, functools.partial(self._piece_fits, search, states))
       if piece is None:
         whole = self._whole_bytes(request)
-        if whole is not None and whole <= self.budget.bytes():
+        if whole is not None and whole.total <= self.budget.bytes():
           return None
         piece = self._largest_piece(request, search, states, whole)
         if piece is not None:
@@ -142,8 +142,8 @@ class Streaming:
     the window, compiled for training by the pieces' search. ``None`` if there is none. Forgotten once taken."""
     return self._whole_compiled.pop((batch_size, via_window), None)
 
-  def _whole_bytes(self, request) -> Optional[int]:
-    """The bytes of the batch's step in one micro-batch, with the whole next batch sent ahead (``None`` where
+  def _whole_bytes(self, request) -> Optional[StepMemory]:
+    """The memory of the batch's step in one micro-batch, with the whole next batch sent ahead (``None`` where
     its fixed bytes alone exceed the budget: not measured): a quick probe, or where the planner compiles that step
     for training first, that compilation (kept for :meth:`take_whole` where it fits)."""
     batch_size = request.layout.batch_size
@@ -153,19 +153,19 @@ class Streaming:
       self.model.reset(batch_size)
       one = plan_micro_batches(batch_size, num_micro_batch=1)._replace(remat=False if self.remat == 'auto' else None)
       if not (compiles_whole_first() and request.compilers.keepable(False)):
-        return memory_parts(request.compilers.step_bytes(one, *request.batch, False))[0]
+        return StepMemory(*memory_parts(request.compilers.step_bytes(one, *request.batch, False)))
       planned = request.compilers.trial(one, *request.batch, False)
     if planned.memory.total <= self.budget.bytes():
       self._whole_compiled[batch_size, False] = (one, planned)
-    return planned.memory.total
+    return planned.memory
 
-  def _largest_piece(self, request, search: 'ChunkSearch', states: int, whole: Optional[int] = None
+  def _largest_piece(self, request, search: 'ChunkSearch', states: int, whole: Optional[StepMemory] = None
                      ) -> Optional[int]:
     """The piece to stream a batch in (see :meth:`pieces`), planned; ``None`` if no piece of one micro-batch fits
-    beside the next piece and the batch's model state (``states`` bytes). ``whole``: the bytes of the batch's step
-    in one micro-batch, measured just before: scaled to a piece's samples (its data, sent ahead too, and its
-    activations grow with them), the guess where the search starts, in place of half the batch (a guess only
-    orders the probes: the piece chosen is measured as without it)."""
+    beside the next piece and the batch's model state (``states`` bytes). ``whole``: the memory of the batch's
+    step in one micro-batch, measured just before: scaled to a piece's samples (:func:`_scaled`), the guess where
+    the search starts, in place of half the batch (a guess only orders the probes: the piece chosen is measured
+    as without it)."""
     batch_size, budget = request.layout.batch_size, self.budget.bytes()
     measured: Dict[int, int] = {}
     # where the planner compiles a step for training first (a TPU), each probe is that compilation, and the
@@ -189,7 +189,12 @@ class Streaming:
 
     sizes = [size for size in candidate_micro_batch_sizes(batch_size) if size < batch_size]
     roomy = min(budget, int(PIECE_FILL * budget) + states)  # room for the device's allocations, where it can
-    guess = None if whole is None else (lambda size: states + whole * size / batch_size)
+    guess = None
+    if whole is not None:  # (a refused compilation names its total alone: the fixed bytes known without one)
+      inputs, targets = request.inputs, request.targets
+      whole = whole._replace(fixed=max(whole.fixed, self.model.fixed_bytes(inputs, targets)))
+      guess = _scaled(whole, batch_size, states, argument_bytes((), inputs, targets) + self.model.ahead_bytes(
+        inputs, targets))
     within = lambda limit: largest_fitting(sizes, limit, measure, guess=guess)
     try:
       found = within(roomy) or within(budget)
@@ -245,6 +250,22 @@ class Streaming:
     if error is None:  # skipped by arithmetic: the search itself gives the error that names the budget needed
       return self.plan_whole(request)
     raise error
+
+
+def _scaled(whole: StepMemory, batch_size: int, states: int, data: int) -> Callable[[int], float]:
+  """A piece's bytes as the whole batch's step (``whole``, of ``batch_size`` samples, whose ``data`` bytes are
+  the batch and the batch sent ahead) predicts them: its fixed bytes less the data and the model state (the
+  parameters, the optimizer's state: they do not shrink with the piece) kept, the rest in proportion to the
+  piece's samples, and ``states`` (the batch's model state, which streaming keeps twice) beside.
+
+  Examples
+  --------
+  >>> guess = _scaled(StepMemory(total=1100, fixed=300), batch_size=100, states=20, data=150)
+  >>> guess(10), guess(50)  # 140 fixed bytes kept (300 - 150 - 20 / 2), 960 in proportion
+  (256.0, 640.0)
+  """
+  kept = max(0, whole.fixed - data - states // 2)
+  return lambda size: states + kept + (whole.total - kept) * size / batch_size
 
 
 def _even_piece(batch_size: int, largest: int, sizes) -> int:
