@@ -62,8 +62,8 @@ from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_bat
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
 from ..diagnostics._phases import phase
 from ._fit_check import NO_CHECK, PendingCheck
-from ._random_outputs import (LEVELS, POINTS, WHOLE, CheckNames, Evidence, found_reductions, loss_at_random_outputs,
-                              warn_coupled, warn_coupled_loss, warn_metrics)
+from ._random_outputs import (LEVELS, POINTS, WHOLE, WHOLE_BATCH_FIX, CheckNames, Evidence, found_reductions,
+                              loss_at_random_outputs, warn_coupled, warn_coupled_loss, warn_metrics)
 
 __all__ = ['MEANS_OVER_ELEMENTS', 'CheckParts', 'FirstBatchCheck', 'RunningCheck', 'check_first_batch', 'check_in_background',
            'check_loss', 'conclude', 'found_reductions', 'warn_coupled_loss', 'warn_if_coupled', 'warn_metrics']
@@ -132,7 +132,7 @@ def warn_if_coupled(evidence: Evidence, names: CheckNames, plan: MicroBatchPlan,
   usable = [p for p in range(len(POINTS)) if np.isfinite(whole[p]) and np.isfinite(combined[p])]
   if not usable:
     warnings.warn(f'Could not check whether loss_fun is a mean over samples: it is not finite at random outputs '
-                  f'({" nor ".join(POINTS)}); if it couples the samples of a batch, pass whole_batch_loss=True.',
+                  f'({" nor ".join(POINTS)}); if it couples the samples of a batch, pass {WHOLE_BATCH_FIX}.',
                   UserWarning, stacklevel=2)
     return
   for point in usable:
@@ -164,7 +164,7 @@ def _could_not_check(error: Exception, samples: Optional[int] = None) -> None:
   else:
     why = f'{type(error).__name__}: {str(error)[:200]}'
   warnings.warn(f'Could not check whether loss_fun is a mean over samples ({why}); if it couples the samples of a '
-                f'batch, pass whole_batch_loss=True.', UserWarning, stacklevel=6)  # fit's line
+                f'batch, pass {WHOLE_BATCH_FIX}.', UserWarning, stacklevel=6)  # fit's line
 
 
 class RunningCheck:

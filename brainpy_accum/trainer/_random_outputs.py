@@ -32,11 +32,14 @@ from ..core._metrics import (AUX_REDUCTIONS, ORDERS, MetricPlan, default_reducti
 from ..core._batch import samples_shape
 from ..core._two_pass import second_sizes, traced_shapes
 
-__all__ = ['CheckNames', 'Evidence', 'LEVELS', 'POINTS', 'WHOLE', 'found_reductions', 'loss_at_random_outputs',
-           'random_outputs', 'warn_coupled', 'warn_coupled_loss', 'warn_metrics']
+__all__ = ['CheckNames', 'Evidence', 'LEVELS', 'POINTS', 'WHOLE', 'WHOLE_BATCH_FIX', 'found_reductions',
+           'loss_at_random_outputs', 'random_outputs', 'warn_coupled', 'warn_coupled_loss', 'warn_metrics']
 
 
 WHOLE = 'the whole batch'  # what the check compares with its micro-batches, as its warnings name it
+# the fix the warnings name for a loss or metric that couples samples: it trains loss_fun of the whole batch as it
+# is, and refuses the options that weigh micro-batches
+WHOLE_BATCH_FIX = 'whole_batch_loss=True (with grad_reduction and loss_weight_fn left at their defaults)'
 
 
 # Where the loss is evaluated in place of the model's outputs: (name in the warning, how each leaf is drawn).
@@ -381,7 +384,7 @@ def found_reductions(undecided: Sequence, evidence: Sequence, plan: MicroBatchPl
     warnings.warn(f'The metric metrics{path} of loss_fun: {why}. It is combined as a {default} (as the loss is), '
                   f'and its recorded history may differ from bp.BPTT\'s. Declare how it combines with '
                   f'aux_reduction={{{name!r}: ...}} (one of {AUX_REDUCTIONS}), make it a per-sample array '
-                  f'(stitched exactly) or a mean over samples, or pass whole_batch_loss=True to compute the metrics '
+                  f'(stitched exactly) or a mean over samples, or pass {WHOLE_BATCH_FIX} to compute the metrics '
                   f'on the whole batch.', UserWarning, stacklevel=3)
   return found
 
@@ -412,7 +415,7 @@ def warn_metrics(names: Sequence, whole: Sequence[np.ndarray], combined: Sequenc
     warnings.warn(f'The metric metrics{path} of loss_fun is {_show(w)} on the whole first batch, but its {how!r} over '
                   f'the {plan.describe_cuts()} micro-batches is {_show(c)}: the recorded history would differ from '
                   f'bp.BPTT\'s. Declare how it combines with aux_reduction={{{name!r}: ...}} ({fix}), make it a '
-                  f'per-sample array (stitched exactly) or a mean over samples, or pass whole_batch_loss=True to '
+                  f'per-sample array (stitched exactly) or a mean over samples, or pass {WHOLE_BATCH_FIX} to '
                   f'compute the metrics on the whole batch.', UserWarning, stacklevel=2)
   return warned
 
@@ -446,8 +449,6 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
 
 def warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
   seen = f'random outputs ({point}) in place of the model\'s, {what}'
-  # it trains loss_fun of the whole batch as it is, and refuses options that weigh micro-batches
-  whole_batch = 'whole_batch_loss=True (with grad_reduction and loss_weight_fn left at their defaults)'
   if statistics:
     warnings.warn(f'loss_fun couples the samples of a batch beyond its batch statistics '
                   f'({", ".join(statistics)}, which every micro-batch sees whole): with the first batch\'s data and '
@@ -455,12 +456,12 @@ def warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
                   f'statistic of a statistic, or another mean over the batch left unmarked is not exact over '
                   f'micro-batches: accumulating their gradients would train another objective. Write it as a function '
                   f'of batch statistics alone (e.g. batch_mean(x ** 2) - batch_mean(x) ** 2), or pass '
-                  f'{whole_batch} to train the whole-batch loss exactly.', UserWarning, stacklevel=4)
+                  f'{WHOLE_BATCH_FIX} to train the whole-batch loss exactly.', UserWarning, stacklevel=4)
     return
   warnings.warn(f'loss_fun couples the samples of a batch: with the first batch\'s data and {seen}. Accumulating '
                 f'micro-batch gradients would train that other objective (e.g. a batch-wide firing-rate regulariser, '
                 f'or a spike count summed over the batch, changes with the micro-batch\'s size). Two ways train the '
                 f'whole-batch loss exactly: where the coupling is a mean or a sum over the batch (a firing rate), '
                 f'compute it with brainpy_accum.batch_mean(x, axis=...) or batch_sum (each micro-batch then sees the '
-                f'whole batch\'s value, at one micro-batch\'s memory); for any loss, pass {whole_batch} (it '
+                f'whole batch\'s value, at one micro-batch\'s memory); for any loss, pass {WHOLE_BATCH_FIX} (it '
                 f'keeps the whole batch\'s outputs); or make the loss a mean over samples.', UserWarning, stacklevel=4)
