@@ -195,10 +195,10 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   that the one sum over devices that follows gives the whole batch's gradient and loss; the metrics are the
   whole batch's on every device, taken as they are. ``report``: as for :func:`~brainpy_accum.core.accumulate`.
   ``on_read(states)``, given, is called while the step is traced with the states of the model that the loss
-  reads itself and the forward pass writes (the batch's hidden states among ``states``, and those written
-  without a batch axis), if any: the loss reads them after pass 1, not as the whole batch's forward pass left
-  them, and reaches them through no output, so no gradient flows back through them into the forward pass (the
-  parameters it reads itself are differentiated: :func:`loss_and_cotangents`).
+  reads itself and pass 1 wrote (the batch's hidden states, states written without a batch axis), if any: the
+  loss reads their whole-batch values but reaches them through no output, so no gradient flows back through
+  them into the forward pass (the parameters it reads itself are differentiated: :func:`loss_and_cotangents`).
+  What the loss writes (a random key it draws from, a Variable it sets) ends the step as the loss left it.
   """
   before = values_of(replayed)
   with brainstate.StateTraceStack() as forward_trace:

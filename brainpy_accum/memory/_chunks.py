@@ -145,19 +145,22 @@ class Streaming:
   def _whole_bytes(self, request) -> Optional[StepMemory]:
     """The memory of the batch's step in one micro-batch, with the whole next batch sent ahead (``None`` where
     its fixed bytes alone exceed the budget: not measured): a quick probe, or where the planner compiles that step
-    for training first, that compilation (kept for :meth:`take_whole` where it fits)."""
+    for training first, that compilation (kept for :meth:`take_whole` where it fits). Its fixed part is at least
+    the one known by arithmetic (a refused compilation names its total alone)."""
     batch_size = request.layout.batch_size
-    if self.model.fixed_bytes(request.inputs, request.targets) > self.budget.bytes():
+    fixed = self.model.fixed_bytes(request.inputs, request.targets)
+    if fixed > self.budget.bytes():
       return None
     with values_restored(self.model.variables(), any_shape=True):
       self.model.reset(batch_size)
       one = plan_micro_batches(batch_size, num_micro_batch=1)._replace(remat=False if self.remat == 'auto' else None)
       if not (compiles_whole_first() and request.compilers.keepable(False)):
-        return StepMemory(*memory_parts(request.compilers.step_bytes(one, *request.batch, False)))
+        total, measured = memory_parts(request.compilers.step_bytes(one, *request.batch, False))
+        return StepMemory(total, max(fixed, measured))
       planned = request.compilers.trial(one, *request.batch, False)
     if planned.memory.total <= self.budget.bytes():
       self._whole_compiled[batch_size, False] = (one, planned)
-    return planned.memory
+    return planned.memory._replace(fixed=max(fixed, planned.memory.fixed))
 
   def _largest_piece(self, request, search: 'ChunkSearch', states: int, whole: Optional[StepMemory] = None
                      ) -> Optional[int]:
@@ -189,12 +192,8 @@ class Streaming:
 
     sizes = [size for size in candidate_micro_batch_sizes(batch_size) if size < batch_size]
     roomy = min(budget, int(PIECE_FILL * budget) + states)  # room for the device's allocations, where it can
-    guess = None
-    if whole is not None:  # (a refused compilation names its total alone: the fixed bytes known without one)
-      inputs, targets = request.inputs, request.targets
-      whole = whole._replace(fixed=max(whole.fixed, self.model.fixed_bytes(inputs, targets)))
-      guess = _scaled(whole, batch_size, states, argument_bytes((), inputs, targets) + self.model.ahead_bytes(
-        inputs, targets))
+    guess = None if whole is None else _scaled(whole, batch_size, states, argument_bytes(
+      (), request.inputs, request.targets) + self.model.ahead_bytes(request.inputs, request.targets))
     within = lambda limit: largest_fitting(sizes, limit, measure, guess=guess)
     try:
       found = within(roomy) or within(budget)
