@@ -17,6 +17,7 @@ from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.diagnostics._phases import PHASES, record_phases
 from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting, whole_first
+from brainpy_accum.memory._chunks import PIECE_FILL
 from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
 from brainpy_accum.memory._plan_key import _code
 from brainpy_accum.memory._stream import chunk_sizes
@@ -47,6 +48,28 @@ def data():
           for s in (8, 12)}  # XLA's bytes on this device (8 and 12 samples take 8 and 16 rows of a TPU's tiles)
   assert need[8] < need[12], need
   return batches, (need[8] + need[12]) // 2, need
+
+
+def _piece_budget(batch, small: int, large: int) -> int:
+  """A budget whose share for a streamed batch's pieces (:data:`PIECE_FILL` of it) lies between the step of a
+  piece of ``small`` samples of ``batch`` and one of ``large``, measured on this device as the pieces' search
+  measures them (through the window, one micro-batch, the model state at the piece's size): the pieces' own bytes,
+  not the whole batch's micro-batches' (on a TPU, whose tiles pad the data of a batch and of its pieces
+  differently, those differ several-fold)."""
+  probe = _trainer(num_micro_batch='auto', memory_budget='1GiB', cache=False)
+  need = {}
+  for size in (small, large):
+    probe.target.reset(size)
+    piece = jax.tree_util.tree_map(lambda x: x[:size], batch)
+    need[size] = probe.compiled_step_bytes(plan_micro_batches(size, num_micro_batch=1), FIT, *piece, via_window=True)
+  assert need[small] < need[large], need
+  return int((need[small] + need[large]) / 2 / PIECE_FILL)
+
+
+@pytest.fixture(scope='module')
+def piece_budget(data):
+  """:func:`_piece_budget` of the batches of 24 between pieces of 8 and of 12 (16 rows on a TPU)."""
+  return _piece_budget(data[0][0], 8, 12)
 
 
 _FIXED = {}
@@ -295,16 +318,19 @@ def test_rerun_with_a_cached_plan_compiles_nothing_new_the_loss_check_included(d
   assert_trees_close(again, first)
 
 
-def test_first_fit_phases_add_up_to_the_fit_and_hold_the_planners_compilations(data):
+@pytest.mark.parametrize('tpu_path', [False, True])
+def test_first_fit_phases_add_up_to_the_fit_and_hold_the_planners_compilations(data, tpu_path):
   """The start-up bench's phases (:mod:`~brainpy_accum.diagnostics._phases`): the planner's quick probes and its
   compilation for training are where they happen, nothing is counted twice (the phases on the fit's thread add up
-  to the whole span), and no compilation is lost."""
+  to the whole span), and no compilation is lost. Both paths on every device: quick probes first (a CPU's), and
+  the whole batch compiled for training first with the data sent ahead (a TPU's: no quick probe need run)."""
   batches, budget, _ = data
   trainer = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
-  with record_phases() as recorded, count_compilations() as compiled:
+  with whole_first(tpu_path), overlapping(tpu_path), record_phases() as recorded, count_compilations() as compiled:
     trainer.fit(batches, num_epoch=1)
   table = recorded.table()
-  assert table['planning probes']['compilations'] >= 1 and table['planned step compiles']['compilations'] >= 1
+  assert table['planned step compiles']['compilations'] >= 1
+  assert tpu_path or table['planning probes']['compilations'] >= 1
   assert table['trial runs']['seconds'] == 0  # (remat=False: no trial steps)
   assert sum(table[name]['seconds'] for name in PHASES) == pytest.approx(table['total']['seconds'], abs=1e-6)
   assert table['total']['compilations'] >= compiled()  # (the check's thread, beside, is not counted by compiled)
@@ -361,19 +387,22 @@ def test_whole_first_a_cached_plan_of_a_batch_sent_ahead_is_compiled_once(data, 
     assert [plan.micro_batch_size for plan in trials] == [SIZE], (run, trials)
 
 
-def test_whole_first_pieces_search_starts_where_the_whole_batch_predicts(data, monkeypatch):
+def test_whole_first_pieces_search_starts_where_the_whole_batch_predicts(monkeypatch):
   """A TPU's path, forced on the CPU: the whole batch's compilation, which decides that the batch streams in
   pieces, scaled to a piece's samples is where the pieces' search starts, so half the batch (far above the piece
-  that fits) is not compiled; the piece chosen is the one the search finds without that guess."""
-  batches, budget, _ = data
+  that fits) is not compiled; the piece chosen is the one the search finds without that guess. A batch of 48
+  with pieces of 8 to 12 (8 on a TPU, whose sizes above 8 are multiples of 8: the next one up is 16, not half)."""
+  size = 2 * SIZE
+  batches = make_batches((size,), num_time=NUM_TIME, n_in=4, n_out=3)
+  budget = _piece_budget(batches[0], 8, 16)
   trials, real = [], CompiledSteps._compiled_for_training
   monkeypatch.setattr(CompiledSteps, '_compiled_for_training', lambda self, plan, *args, **kwargs: trials.append(
     plan.batch_size) or real(self, plan, *args, **kwargs))
   trainer = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
   with overlapping(True), whole_first(True):
     trainer.plan_memory(*batches[0])
-  assert trainer.stream_chunks[SIZE] <= SIZE // 3 and SIZE // 2 not in trials, (trainer.stream_chunks, trials)
-  assert trials[0] == SIZE and len(trials) <= 3, trials
+  assert trainer.stream_chunks[size] <= size // 3 and size // 2 not in trials, (trainer.stream_chunks, trials)
+  assert trials[0] == size and len(trials) <= 3, trials
   unguided = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
   monkeypatch.setattr(unguided.planner.streaming, '_whole_bytes', lambda request: None)
   with overlapping(True), whole_first(True):
@@ -381,12 +410,12 @@ def test_whole_first_pieces_search_starts_where_the_whole_batch_predicts(data, m
   assert unguided.stream_chunks == trainer.stream_chunks
 
 
-def test_whole_first_plans_pieces_sent_ahead_and_trains_as_the_fixed_plan(data, monkeypatch):
+def test_whole_first_plans_pieces_sent_ahead_and_trains_as_the_fixed_plan(data, piece_budget, monkeypatch):
   """A TPU's path, forced on the CPU: the batch sent ahead streams in pieces of one micro-batch, each piece's step
   compiled for training first, and the chosen piece's compilation is the one its plan keeps: no step is compiled
   for training twice, and the piece is not probed quickly beside; the run trains as the fixed plan of the pieces'
   size."""
-  batches, budget, _ = data
+  batches, budget = data[0], piece_budget
   trials, real = [], CompiledSteps._compiled_for_training
   monkeypatch.setattr(CompiledSteps, '_compiled_for_training', lambda self, plan, *args, **kwargs: trials.append(
     (plan.batch_size, plan.micro_batch_size, kwargs.get('via_window', args[3] if len(args) > 3 else False)))
