@@ -44,6 +44,7 @@ TARGETS = {'AccumBPTT(num_micro_batch=4)': (1.4, None), "'auto', memory_budget='
            "'auto', remat='auto', 24MiB": (2.4, 1.5), "'auto', remat='auto', 8MiB (streamed)": (2.6, None)}
 SHAPE = dict(batch=256, time=100, inputs=64, hidden=256, classes=10, batches=2, epochs=1)
 CLIENT_SHAPE = dict(SHAPE, batches=3, epochs=2)  # a client-sized whole run
+CHILD_PLATFORMS = 'BRAINPY_ACCUM_CHILD_PLATFORMS'  # the timed processes' JAX_PLATFORMS, where set
 CLIENT_TARGETS = {name: (1.5, None) for name in TRAINERS if name != 'bp.BPTT'}
 STARTUP_HEADER = (
   '## Start-up: time to the first epoch\n\n'
@@ -101,16 +102,21 @@ def _child(options: dict, shape: dict) -> dict:
 
 def run_one(name: str, cache: str, shape: dict = SHAPE, tree: Optional[str] = None) -> dict:
   """One fresh process for trainer ``name`` with its caches in the folder ``cache``; ``tree``: the package
-  imported from that checkout (another commit's, for :func:`measure_against`) instead of this one."""
+  imported from that checkout (another commit's, for :func:`measure_against`) instead of this one. The process
+  gets ``JAX_PLATFORMS`` from ``BRAINPY_ACCUM_CHILD_PLATFORMS`` where that is set (see ``--child-platforms``)."""
   env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(cache, 'jax'), BRAINPY_ACCUM_CACHE_DIR=cache,
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0', JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+  if CHILD_PLATFORMS in env:
+    env['JAX_PLATFORMS'] = env.pop(CHILD_PLATFORMS)
   if tree is not None:
     env['PYTHONPATH'] = os.pathsep.join([tree] + [p for p in [env.get('PYTHONPATH')] if p])
   request = json.dumps({'options': TRAINERS[name], 'shape': shape})
   done = subprocess.run([sys.executable, '-m', 'brainpy_accum.bench.startup', '--child', request], env=env,
                         capture_output=True, text=True, check=False, cwd=tree)
   if done.returncode != 0:
-    raise RuntimeError(f'{name}: the child process failed:\n{done.stderr[-3000:]}')
+    held = ('\nThe device is held by this process: run it with JAX_PLATFORMS=cpu and --child-platforms set to the '
+            "device's platform (only one process can open a TPU)." if 'already in use' in done.stderr else '')
+    raise RuntimeError(f'{name}: the child process failed:\n{done.stderr[-3000:]}{held}')
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -238,8 +244,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   parser.add_argument('--against', default=None, metavar='TREE',
                       help='compare first runs with the package of another checkout (a worktree of another commit)')
   parser.add_argument('--json', default=None, help='also write the measurements to this file')
+  parser.add_argument('--child-platforms', default=None, metavar='PLATFORMS',
+                      help="the timed processes' JAX_PLATFORMS. On a TPU, which one process at a time can open, run "
+                           'this one with JAX_PLATFORMS=cpu (importing brainpy opens the default device) and pass '
+                           '--child-platforms tpu')
   parser.add_argument('--child', default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.child_platforms is not None:
+    os.environ[CHILD_PLATFORMS] = args.child_platforms
   if args.child is not None:
     request = json.loads(args.child)
     print(json.dumps(_child(request['options'], request['shape'])))

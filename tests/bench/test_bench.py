@@ -198,3 +198,23 @@ def test_startup_against_another_checkout_pairs_runs_back_to_back(monkeypatch):
   text = startup.against_section(results, '/old')
   assert '| bp.BPTT | 5.00 | 5.50 | -0.50 | 1 of 2 |' in text
   assert '| AccumBPTT(num_micro_batch=4) | 3.75 | 3.00 | +0.75 | 2 of 2 |' in text
+
+
+def test_startup_child_platforms_reach_the_timed_processes_and_a_held_device_is_named(monkeypatch):
+  """--child-platforms: the timed processes get it as JAX_PLATFORMS (the parent, which imports brainpy and so opens
+  the default device, runs on the CPU: a TPU opens in one process at a time); a child that finds the device held
+  fails with the fix named."""
+  import subprocess
+  from brainpy_accum.bench import startup
+  seen = []
+
+  def fake_run(command, env, **kwargs):
+    seen.append(env.get('JAX_PLATFORMS'))
+    return subprocess.CompletedProcess(command, 1, '', 'ABORTED: The TPU is already in use by process with pid 1')
+
+  monkeypatch.setattr(subprocess, 'run', fake_run)
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  monkeypatch.setenv(startup.CHILD_PLATFORMS, 'tpu')
+  with pytest.raises(RuntimeError, match='--child-platforms'):
+    startup.run_one('bp.BPTT', '/nowhere')
+  assert seen == ['tpu']
