@@ -71,12 +71,12 @@ class FitCheck:
     self.owner, self.shared_args, self.pending = owner, shared_args, NO_CHECK
 
   @contextlib.contextmanager
-  def planning(self, phase: str, inputs, targets, cached: bool):
-    """Around planning a batch: in training, the check cut in two starts beside the search (where the plan is
-    ``cached`` it waits for the first step); if planning raises, it is waited for without its report."""
+  def planning(self, phase: str, inputs, targets, later: bool):
+    """Around planning a batch: in training, the check cut in two starts beside the search (``later``: it waits for
+    the first step, as where the plan is cached); if planning raises, it is waited for without its report."""
     if phase == 'fit' and self.pending is NO_CHECK:
       self.pending = self.owner.pending(self.shared_args, inputs, targets, before_planning=True)
-      if not cached:
+      if not later:
         self.pending.start()
     with self.pending.around_step(report=False):
       yield
