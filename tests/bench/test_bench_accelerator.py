@@ -5,12 +5,14 @@ import copy
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from brainpy_accum.bench import __main__ as bench_main
 from brainpy_accum.bench import accelerator as device
 from brainpy_accum.bench import report as device_report
 from brainpy_accum.bench import streaming
+from brainpy_accum.trainer._feed import Sender, overlapping
 
 REFUSAL = ('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 17.38G '
            'of 15.75G hbm. Exceeded hbm capacity by 1.63G.')
@@ -156,3 +158,31 @@ def test_startup_table_sets_each_first_epoch_against_bptts_at_the_same_batch_or_
   assert '| 8 | AccumBPTT | 3.00 | 1.50 | 1.00 (0) |' in '\n'.join(table)
   assert '| 16 | AccumBPTT | 5.00 | 2.50 * (at 8) |' in '\n'.join(table)
   assert not any('| 16 | bp.BPTT' in line for line in table)
+
+
+def test_feed_bench_times_device_copies_beside_and_numpy_units(tmp_path):
+  """bench.feed: each kind of epoch timed every round, the NumPy epoch's units recorded (one a batch: the waits
+  and sends the loop made), the join and the copier measured; on a CPU also a batch streamed in pieces (a 40 KiB
+  budget is one of the CPU's byte figures)."""
+  from brainpy_accum.bench import feed
+  cpu = jax.default_backend() == 'cpu'
+  path = tmp_path / 'feed.json'
+  result = feed.main(['--quick', '--rounds', '2', '--json', str(path)] + (['--stream', '32', '--budget', '40KiB']
+                                                                         if cpu else []))
+  assert json.loads(path.read_text())['batch'] == 16
+  assert all(len(times) == 2 for times in result['epoch_s'].values()) and len(result['epoch_s']) == 3
+  assert all(value is not None and value >= 0 for value in result['units'].values())
+  assert result['copier_gb_per_s'] > 0 and result['join_s'] > 0
+  if cpu:
+    assert result['stream']['piece'] < 32 and len(result['stream']['epoch_s']) == 2
+  assert 'samples/s' in feed.feed_section(result)
+
+
+def test_feed_timeline_records_each_dispatched_unit():
+  from brainpy_accum.bench.feed import feed_timeline
+  with overlapping(True), feed_timeline() as units:
+    sender = Sender()
+    for _ in range(4):
+      sender.dispatched(jax.numpy.zeros(2))
+      sender.send((np.ones((2, 3), np.float32),))
+  assert len(units['wait']) == 4 and len(units['send']) == 4 and len(units['period']) == 3
