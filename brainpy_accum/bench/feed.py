@@ -11,10 +11,14 @@ times, in the same rounds:
   way ``fit`` does (slices on threads, joined on the device), back to back: whether a copy slows the step that
   runs beside it (then the feed cannot hide it whatever the loop does);
 - ``numpy, sent ahead``: the epoch ``fit`` gives a user, with each unit's time in the loop's two waits: for the
-  step before to end (``wait``: the device is the bound) and in sending the next unit (``send``: the host is);
+  step before to end (``wait``) and in sending the next unit (``send``: the host's part, starting the slices'
+  copies and queueing their join; the copies themselves and the join run on after it, and the join's device time
+  falls in a later ``wait``), and how many sends found no room on the device (the step then copies its own data);
 
-and the join of a piece's slices alone on the device. ``--stream B`` adds the NumPy epoch of a batch streamed in
-pieces (its units are pieces). Prints a markdown section; ``--json`` writes the measurements.
+and the join of a piece's slices alone on the device. ``--batch`` is a batch that runs whole (three of it sit on
+the device: the device epoch's, the copies', the NumPy epoch's). ``--stream B`` adds the NumPy epoch of a batch
+streamed in pieces (its units are pieces), measured after the first part's arrays are freed. Prints a markdown
+section; ``--json`` writes the measurements.
 """
 
 import argparse
@@ -55,7 +59,7 @@ def feed_timeline():
   >>> len(units['wait']), len(units['period'])
   (3, 2)
   """
-  units: Dict[str, List[float]] = {'wait': [], 'send': [], 'period': []}
+  units: Dict[str, List[float]] = {'wait': [], 'send': [], 'period': [], 'refused': []}
   dispatched, send, last = _feed.Sender.dispatched, _feed.Sender.send, [None]
 
   def timed_dispatched(self, outputs):
@@ -68,10 +72,10 @@ def feed_timeline():
 
   def timed_send(self, data):
     start = time.perf_counter()
-    try:
-      return send(self, data)
-    finally:
-      units['send'].append(time.perf_counter() - start)
+    sent = send(self, data)
+    units['send'].append(time.perf_counter() - start)
+    units['refused'].append(float(self.enabled and sent is None))
+    return sent
 
   _feed.Sender.dispatched, _feed.Sender.send = timed_dispatched, timed_send
   try:
@@ -81,21 +85,26 @@ def feed_timeline():
 
 
 class _Copier:
-  """A thread copying pieces of ``rows`` rows of ``host`` to the device as ``fit`` does, back to back, while
-  open; ``gb_per_s()`` afterwards."""
+  """A thread copying ``host`` to the device as ``fit`` does, back to back, while open, each copy only where the
+  device has room for it (else it waits: the step must not run out of memory and change its plan);
+  ``gb_per_s()`` afterwards. An error of a copy is raised on leaving."""
 
-  def __init__(self, host: np.ndarray, rows: int):
-    self.host, self.rows, self.copied, self.seconds = host, rows, 0, 0.
+  def __init__(self, host: np.ndarray):
+    self.host, self.copied, self.seconds, self.error = host, 0, 0., None
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True)
 
   def _run(self):
-    start, at = time.perf_counter(), 0
-    while not self._stop.is_set():
-      piece = self.host[at:at + self.rows]
-      jax.block_until_ready(_feed._put(piece))
-      self.copied += piece.nbytes
-      at = (at + self.rows) % (len(self.host) - self.rows + 1)
+    start = time.perf_counter()
+    try:
+      while not self._stop.is_set():
+        if not _feed._room_for(_feed.prefetch_bytes(self.host, ())):
+          time.sleep(0.001)
+          continue
+        jax.block_until_ready(_feed._put(self.host))
+        self.copied += self.host.nbytes
+    except Exception as error:  # noqa: BLE001 -- raised on the caller's thread
+      self.error = error
     self.seconds = time.perf_counter() - start
 
   def __enter__(self):
@@ -105,6 +114,8 @@ class _Copier:
   def __exit__(self, *exc):
     self._stop.set()
     self._thread.join()
+    if self.error is not None and exc[0] is None:
+      raise RuntimeError('a copy beside the device epoch failed') from self.error
 
   def gb_per_s(self) -> float:
     return self.copied / self.seconds / 1e9 if self.seconds else 0.
@@ -137,31 +148,37 @@ def _medians(units: Dict[str, List[float]]) -> Dict[str, float]:
 def measure_feed(shape: Shape, batch: int, epoch: int, rounds: int, budget: Optional[int],
                  stream: Optional[int] = None) -> dict:
   """The measurements of the module's docstring: ``{'batch', 'epoch_s': {kind: [per round]}, 'copier_gb_per_s',
-  'units': {'wait', 'send', 'period'} (medians), 'join_s', 'stream': {...} or None}``."""
-  trainer = _Trainer('AccumBPTT', WORKLOAD, shape._replace(batch=batch), budget)
-  x, y = make_batch(shape._replace(batch=batch), workload=WORKLOAD)
+  'units': {'wait', 'send', 'period', 'refused'} (medians; 'refused': the share of sends), 'join_s', 'plans'
+  (the trainer's plan before and after the rounds: the same, or the copies beside changed it), 'stream': {...}
+  or None}``."""
+  result = _whole(shape._replace(batch=batch), epoch, rounds, budget)  # its arrays freed before the next part
+  result['stream'] = None if not stream else _streamed(shape, stream, epoch, rounds, budget)
+  return result
+
+
+def _whole(shape: Shape, epoch: int, rounds: int, budget: Optional[int]) -> dict:
+  trainer = _Trainer('AccumBPTT', WORKLOAD, shape, budget)
+  x, y = make_batch(shape, workload=WORKLOAD)
   host, source = [(x, y)] * epoch, np.array(x)  # the copier's own host array (written: a batch made before)
   on_device = [jax.block_until_ready(jax.device_put((x, y)))] * epoch
   _epoch_seconds(trainer, host[:2], overlap=True)  # planning, compilations
   _epoch_seconds(trainer, on_device[:2])
+  plans = [trainer.plan()['plan']]
   times: Dict[str, List[float]] = {'device': [], 'device, copies beside': [], 'numpy, sent ahead': []}
-  copier_rates, units = [], {'wait': [], 'send': [], 'period': []}
+  copier_rates, units = [], {'wait': [], 'send': [], 'period': [], 'refused': []}
   for _ in range(rounds):
     times['device'].append(_epoch_seconds(trainer, on_device))
-    with _Copier(source, batch) as copier:
+    with _Copier(source) as copier:
       times['device, copies beside'].append(_epoch_seconds(trainer, on_device))
     copier_rates.append(copier.gb_per_s())
     with feed_timeline() as recorded:
       times['numpy, sent ahead'].append(_epoch_seconds(trainer, host, overlap=True))
     for key in units:
       units[key] += recorded[key]
-  result = {'batch': batch, 'epoch': epoch, 'piece_bytes': int(x.nbytes), 'epoch_s': times,
-            'copier_gb_per_s': statistics.median(copier_rates), 'units': _medians(units),
-            'join_s': _join_seconds(x), 'stream': None}
   del on_device
-  if stream:
-    result['stream'] = _streamed(shape, stream, epoch, rounds, budget)
-  return result
+  return {'batch': shape.batch, 'epoch': epoch, 'piece_bytes': int(x.nbytes), 'epoch_s': times,
+          'copier_gb_per_s': statistics.median(copier_rates), 'units': _medians(units), 'join_s': _join_seconds(x),
+          'plans': plans + [trainer.plan()['plan']]}
 
 
 def _streamed(shape: Shape, batch: int, epoch: int, rounds: int, budget: Optional[int]) -> dict:
@@ -170,7 +187,7 @@ def _streamed(shape: Shape, batch: int, epoch: int, rounds: int, budget: Optiona
   x, y = make_batch(shape._replace(batch=batch), workload=WORKLOAD)
   host = [(x, y)] * epoch
   _epoch_seconds(trainer, host[:1], overlap=True)
-  times, units = [], {'wait': [], 'send': [], 'period': []}
+  times, units = [], {'wait': [], 'send': [], 'period': [], 'refused': []}
   for _ in range(rounds):
     with feed_timeline() as recorded:
       times.append(_epoch_seconds(trainer, host, overlap=True))
@@ -190,17 +207,22 @@ def feed_section(result: dict) -> str:
            '| epoch | samples/s | / device |', '|---|---|---|']
   lines += [f'| {kind} | {value:,.0f} | {value / rate["device"]:.3f} |' for kind, value in rate.items()]
   units = result['units']
-  lines += ['', f'The copies beside ran at {result["copier_gb_per_s"]:.2f} GB/s. NumPy units (medians, ms): period '
-                f'{ms(units["period"])}, wait for the step before {ms(units["wait"])}, send {ms(units["send"])}; '
-                f'the join of a piece\'s slices on the device alone {ms(result["join_s"])}; a device epoch\'s step '
+  lines += ['', f'The copies beside ran at {result["copier_gb_per_s"]:.2f} GB/s; the plan {result["plans"][0]}'
+                + ('' if len(set(result['plans'])) == 1 else f', after the rounds {result["plans"][1]}') + '. NumPy '
+                f'units (medians, ms): period {ms(units["period"])}, wait for the step before {ms(units["wait"])}, '
+                f'send {ms(units["send"])} (sends refused for room: {units["refused"]:.0%}); the join of a piece\'s '
+                f'slices on the device alone {ms(result["join_s"])}; a device epoch\'s step '
                 f'{ms(statistics.median(result["epoch_s"]["device"]) / epoch)}.']
   stream = result.get('stream')
   if stream:
-    per_piece = statistics.median(stream['epoch_s']) / epoch / max(1, -(-stream['batch'] // (stream['piece'] or 1)))
-    lines += ['', f'Streamed: batch {stream["batch"]} in pieces of {stream["piece"]}: '
-                  f'{epoch * stream["batch"] / statistics.median(stream["epoch_s"]):,.0f} samples/s, '
-                  f'{ms(per_piece)} ms a piece; units: period {ms(stream["units"]["period"])}, wait '
-                  f'{ms(stream["units"]["wait"])}, send {ms(stream["units"]["send"])}.']
+    units, seconds = stream['units'], statistics.median(stream['epoch_s'])
+    how = 'not streamed (it ran whole)'
+    if stream['piece']:
+      pieces = -(-stream['batch'] // stream['piece'])
+      how = f'in pieces of {stream["piece"]}, {ms(seconds / epoch / pieces)} ms a piece'
+    lines += ['', f'Streamed: batch {stream["batch"]} {how}: {epoch * stream["batch"] / seconds:,.0f} samples/s; '
+                  f'units: period {ms(units["period"])}, wait {ms(units["wait"])}, send {ms(units["send"])} '
+                  f'(refused {units["refused"]:.0%}).']
   return '\n'.join(lines)
 
 

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from ..checkpoint._resume import Interrupted, Run, StopRequest, act_on, deferred_signals
 from ..diagnostics._compiles import count_compilations
 from ..diagnostics._phases import phase
-from ..memory._budget import compiles_whole_first
 from ..memory._oom import run_with_retry
 from ..memory._stream import StreamedStates, chunk_sizes, combine_later, host_pieces
 from ._arguments import check_carried_batch, check_carried_sizes
@@ -168,16 +167,13 @@ class FitLoop:
 
   def _plan(self, one: Pass, batch: Batch) -> None:
     """``num_micro_batch='auto'``: the batch size planned, the first-batch check started beside the planner's
-    quick probes (not where there are none: a cached plan, or a device whose planner compiles the whole batch for
-    training first, which most often is the plan) and dropped where the batch runs in one piece."""
+    quick probes (where it has some) and dropped where the batch runs in one piece."""
     planner, shared_args = self.view.planner, self.options.shared_args
     if not self._budget_checked:
       self._budget_checked = True
       if planner.recheck_budget(batch.inputs, batch.targets):  # the plans it dropped: their steps trace again
         self.view.steps.rebuild()
-    # (the check's trace runs on this thread: on a TPU v5e 0.6 s of a small rate RNN's 2.3 s first epoch, spent
-    # before a search whose first compilation found the batch to fit, and the check dropped)
-    later = compiles_whole_first() or planner.is_cached(shared_args, batch.inputs, batch.targets)
+    later = not planner.probes_first(shared_args, batch.inputs, batch.targets)
     with phase('planning (other)'), self.check.planning(one.phase, batch.inputs, batch.targets, later), \
          self._errors_of_the_whole_batch(batch):
       self.view.hooks.plan(batch.inputs, batch.targets, shared_args)

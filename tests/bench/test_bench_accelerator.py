@@ -180,9 +180,11 @@ def test_feed_bench_times_device_copies_beside_and_numpy_units(tmp_path):
 
 def test_feed_timeline_records_each_dispatched_unit():
   from brainpy_accum.bench.feed import feed_timeline
+  originals = (Sender.dispatched, Sender.send)
   with overlapping(True), feed_timeline() as units:
     sender = Sender()
     for _ in range(4):
       sender.dispatched(jax.numpy.zeros(2))
       sender.send((np.ones((2, 3), np.float32),))
   assert len(units['wait']) == 4 and len(units['send']) == 4 and len(units['period']) == 3
+  assert units['refused'] == [0., 0., 0., 0.] and (Sender.dispatched, Sender.send) == originals  # put back

@@ -447,3 +447,24 @@ def test_whole_first_a_batch_that_fits_traces_no_first_batch_check(data):
     table = recorded.table()
     assert (table['beside']['compilations'] > 0) == checked, (memory_budget, table['beside'])  # the check's own
     assert (trainer.plan_for(SIZE).num_micro_batches > 1) == checked
+
+
+@pytest.mark.parametrize('sent_ahead', [False, True])
+def test_whole_first_a_coupled_loss_still_warns_once(data, piece_budget, sent_ahead):
+  """A TPU's path, forced on the CPU, the check started only once the plan is known: a loss that couples the
+  samples (a batch-wide mean subtracted) warns once where the batch is cut, in micro-batches or (sent ahead) in
+  streamed pieces."""
+  batches, budget, _ = data
+
+  def coupled(predicts, targets):
+    return bp.losses.mean_squared_error(predicts - predicts.mean(), targets)
+
+  trainer = AccumBPTT(_model(), coupled, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False,
+                      num_micro_batch='auto', memory_budget=piece_budget if sent_ahead else budget, cache=False)
+  with whole_first(True), overlapping(sent_ahead), pytest.warns(UserWarning, match='couples the samples') as record:
+    trainer.fit(batches, num_epoch=2)
+  assert sum('couples the samples' in str(w.message) for w in record) == 1
+  if sent_ahead:
+    assert SIZE in trainer.stream_chunks
+  else:
+    assert SIZE not in trainer.stream_chunks and trainer.plan_for(SIZE).num_micro_batches > 1
