@@ -146,19 +146,24 @@ def _medians(units: Dict[str, List[float]]) -> Dict[str, float]:
 
 
 def measure_feed(shape: Shape, batch: int, epoch: int, rounds: int, budget: Optional[int],
-                 stream: Optional[int] = None) -> dict:
+                 stream: Optional[int] = None, spikes: bool = False) -> dict:
   """The measurements of the module's docstring: ``{'batch', 'epoch_s': {kind: [per round]}, 'copier_gb_per_s',
   'units': {'wait', 'send', 'period', 'refused'} (medians; 'refused': the share of sends), 'join_s', 'plans'
   (the trainer's plan before and after the rounds: the same, or the copies beside changed it), 'stream': {...}
-  or None}``."""
-  result = _whole(shape._replace(batch=batch), epoch, rounds, budget)  # its arrays freed before the next part
-  result['stream'] = None if not stream else _streamed(shape, stream, epoch, rounds, budget)
-  return result
+  or None}``. ``spikes``: the inputs as 0-or-1 ``uint8`` (a quarter of float32's bytes on the link)."""
+  result = _whole(shape._replace(batch=batch), epoch, rounds, budget, spikes)  # its arrays freed before the next
+  result['stream'] = None if not stream else _streamed(shape._replace(batch=stream), epoch, rounds, budget, spikes)
+  return dict(result, spikes=spikes)
 
 
-def _whole(shape: Shape, epoch: int, rounds: int, budget: Optional[int]) -> dict:
-  trainer = _Trainer('AccumBPTT', WORKLOAD, shape, budget)
+def _batch(shape: Shape, spikes: bool):
   x, y = make_batch(shape, workload=WORKLOAD)
+  return ((x < 0.3).astype(np.uint8) if spikes else x), y
+
+
+def _whole(shape: Shape, epoch: int, rounds: int, budget: Optional[int], spikes: bool) -> dict:
+  trainer = _Trainer('AccumBPTT', WORKLOAD, shape, budget)
+  x, y = _batch(shape, spikes)
   host, source = [(x, y)] * epoch, np.array(x)  # the copier's own host array (written: a batch made before)
   on_device = [jax.block_until_ready(jax.device_put((x, y)))] * epoch
   _epoch_seconds(trainer, host[:2], overlap=True)  # planning, compilations
@@ -181,10 +186,10 @@ def _whole(shape: Shape, epoch: int, rounds: int, budget: Optional[int]) -> dict
           'plans': plans + [trainer.plan()['plan']]}
 
 
-def _streamed(shape: Shape, batch: int, epoch: int, rounds: int, budget: Optional[int]) -> dict:
+def _streamed(shape: Shape, epoch: int, rounds: int, budget: Optional[int], spikes: bool) -> dict:
   """A NumPy epoch of a batch streamed in pieces, with its units' waits."""
-  trainer = _Trainer('AccumBPTT', WORKLOAD, shape._replace(batch=batch), budget)
-  x, y = make_batch(shape._replace(batch=batch), workload=WORKLOAD)
+  batch, trainer = shape.batch, _Trainer('AccumBPTT', WORKLOAD, shape, budget)
+  x, y = _batch(shape, spikes)
   host = [(x, y)] * epoch
   _epoch_seconds(trainer, host[:1], overlap=True)
   times, units = [], {'wait': [], 'send': [], 'period': [], 'refused': []}
@@ -202,8 +207,9 @@ def feed_section(result: dict) -> str:
   batch, epoch = result['batch'], result['epoch']
   rate = {kind: epoch * batch / statistics.median(ts) for kind, ts in result['epoch_s'].items()}
   ms = lambda s: '-' if s is None else f'{1e3 * s:.1f}'  # noqa: E731
+  inputs = 'uint8 spike' if result.get('spikes') else 'float32'
   lines = [f'Device: {jax.devices()[0].device_kind}. Batch {batch} ({result["piece_bytes"] / 2 ** 20:.0f} MiB of '
-           f'inputs), epochs of {epoch} batches, {len(result["epoch_s"]["device"])} rounds.', '',
+           f'{inputs} inputs), epochs of {epoch} batches, {len(result["epoch_s"]["device"])} rounds.', '',
            '| epoch | samples/s | / device |', '|---|---|---|']
   lines += [f'| {kind} | {value:,.0f} | {value / rate["device"]:.3f} |' for kind, value in rate.items()]
   units = result['units']
@@ -235,13 +241,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   parser.add_argument('--rounds', type=int, default=2)
   parser.add_argument('--budget', default=None, help="memory_budget (default: none on an accelerator; --quick and on "
                                                      "a CPU: 1GiB)")
+  parser.add_argument('--uint8-spikes', action='store_true',
+                      help='inputs as 0-or-1 uint8 (a quarter of float32\'s bytes on the host link)')
   parser.add_argument('--json', default=None, help='also write the measurements to this file')
   args = parser.parse_args(argv)
   preset = QUICK if args.quick else ACCELERATOR
   budget = args.budget or (None if jax.default_backend() != 'cpu' else '1GiB')
   result = measure_feed(preset['shape'], args.batch or (16 if args.quick else 2048),
                         args.epoch or (2 if args.quick else 16), args.rounds,
-                        None if budget is None else parse_memory(budget), args.stream)
+                        None if budget is None else parse_memory(budget), args.stream, args.uint8_spikes)
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(result, f, indent=1)

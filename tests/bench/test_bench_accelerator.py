@@ -176,6 +176,8 @@ def test_feed_bench_times_device_copies_beside_and_numpy_units(tmp_path):
   if cpu:
     assert result['stream']['piece'] < 32 and len(result['stream']['epoch_s']) == 2
   assert 'samples/s' in feed.feed_section(result)
+  spikes = feed.measure_feed(feed.QUICK['shape'], 16, 2, 1, 2 ** 30 if cpu else None, spikes=True)
+  assert spikes['spikes'] and spikes['piece_bytes'] * 4 == result['piece_bytes']
 
 
 def test_feed_timeline_records_each_dispatched_unit():
