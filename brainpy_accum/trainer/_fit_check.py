@@ -7,7 +7,38 @@ and :class:`FitCheck`, which says when, so that the fit loop holds one object an
 import contextlib
 from typing import ContextManager, Optional
 
-__all__ = ['NO_CHECK', 'FitCheck', 'PendingCheck']
+import jax
+
+__all__ = ['NO_CHECK', 'FitCheck', 'PendingCheck', 'before_first_step', 'starts_before_first_step']
+
+_BEFORE = [None]  # None: by the device; before_first_step() sets it for the tests
+
+
+def starts_before_first_step() -> bool:
+  """Whether a check made at the first step (a fixed plan's: no planner compiled that step) starts before it, so
+  that the check compiles on its own thread while the step compiles on fit's: off the CPU, whose host has cores
+  to spare while the device computes (on the chip, the start-up bench's fixed plan of 4 micro-batches waited
+  1.67 s of a 4.13 s first epoch for a check started after its first step); not on a CPU, where XLA's
+  compilation of the step already takes every core (two attempts there gained nothing)."""
+  return jax.default_backend() != 'cpu' if _BEFORE[0] is None else _BEFORE[0]
+
+
+@contextlib.contextmanager
+def before_first_step(enabled: Optional[bool]):
+  """Within the ``with``, a check made at the first step starts before it (``True``, also on a CPU: for the tests)
+  or after it (``False``); ``None``: by the device (:func:`starts_before_first_step`).
+
+  Examples
+  --------
+  >>> with before_first_step(True):
+  ...   starts_before_first_step()
+  True
+  """
+  before, _BEFORE[0] = _BEFORE[0], enabled
+  try:
+    yield
+  finally:
+    _BEFORE[0] = before
 
 
 class PendingCheck:
@@ -69,11 +100,13 @@ class FitCheck:
 
   def __init__(self, owner, shared_args):
     self.owner, self.shared_args, self.pending = owner, shared_args, NO_CHECK
+    self.planner_ran = False  # (a planner compiles the step that fit then runs)
 
   @contextlib.contextmanager
   def planning(self, phase: str, inputs, targets, later: bool):
     """Around planning a batch: in training, the check cut in two starts beside the search (``later``: it waits for
     the first step, as where the plan is cached); if planning raises, it is waited for without its report."""
+    self.planner_ran = True
     if phase == 'fit' and self.pending is NO_CHECK:
       self.pending = self.owner.pending(self.shared_args, inputs, targets, before_planning=True)
       if not later:
@@ -95,9 +128,10 @@ class FitCheck:
   def stepping(self, phase: str, inputs, targets, piece: Optional[ContextManager] = None):
     """Around a training step (and whatever the loop dispatches with it): a check not pending yet is made for
     this batch and, for the first piece of a streamed batch (``piece``: the context its check is made in, the
-    model state of ``inputs, targets``; ``contextlib.nullcontext()`` where they are the piece's own), started
-    before it; after the step, one started before gives its warnings, else it is traced now, beside the step just
-    dispatched. If the step raises, the check is waited for without its report."""
+    model state of ``inputs, targets``; ``contextlib.nullcontext()`` where they are the piece's own) or off the
+    CPU where no planner compiled the step (:func:`starts_before_first_step`), started before it; after the
+    step, one started before gives its warnings, else it is traced now, beside the step just dispatched. If the
+    step raises, the check is waited for without its report."""
     if phase != 'fit':
       yield
       return
@@ -105,7 +139,7 @@ class FitCheck:
     if self.pending is NO_CHECK:
       with piece or contextlib.nullcontext():
         self.pending = self.owner.pending(self.shared_args, inputs, targets, streamed=streamed)
-        if streamed:
+        if streamed or (starts_before_first_step() and not self.planner_ran):  # the step compiles at its call
           self.pending.start()
     if streamed:
       self.pending.start()

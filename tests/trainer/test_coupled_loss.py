@@ -390,3 +390,19 @@ def test_a_check_that_no_sample_count_fits_says_so_without_xla_words():
   (message,) = [str(w.message) for w in record]
   assert '512 samples' in message and '68.8 GiB' in message and 'RESOURCE' not in message
   assert 'whole_batch_loss=True' in message
+
+
+@pytest.mark.parametrize('before', [False, True])
+def test_a_fixed_plans_check_starts_before_its_first_step_off_the_cpu(monkeypatch, before):
+  """Off the CPU (forced here) a fixed plan's check starts before its first step, so that it compiles on its own
+  thread while the step compiles on fit's (no planner compiled it), and still warns once, after that step; on a
+  CPU it starts after the step is dispatched."""
+  from brainpy_accum.trainer import _coupled_loss, _fit_check, _fit_loop
+  events, run, call = [], _coupled_loss.RunningCheck.__init__, _fit_loop._call_step
+  monkeypatch.setattr(_coupled_loss.RunningCheck, '__init__',
+                      lambda self, *args, **kwargs: events.append('check') or run(self, *args, **kwargs))
+  monkeypatch.setattr(_fit_loop, '_call_step', lambda *args: events.append('step') or call(*args))
+  with _fit_check.before_first_step(before), pytest.warns(UserWarning, match='couples the samples') as record:
+    _fit(batch_normalised, model='rnn')
+  assert len(_coupled(record)) == 1
+  assert events[:2] == (['check', 'step'] if before else ['step', 'check']), events
