@@ -160,6 +160,7 @@ def test_startup_table_sets_each_first_epoch_against_bptts_at_the_same_batch_or_
   assert not any('| 16 | bp.BPTT' in line for line in table)
 
 
+@pytest.mark.long  # about 7 s: README suite time
 def test_feed_bench_times_device_copies_beside_and_numpy_units(tmp_path):
   """bench.feed: each kind of epoch timed every round, the NumPy epoch's units recorded (one a batch: the waits
   and sends the loop made), the join and the copier measured; on a CPU also a batch streamed in pieces (a 40 KiB
