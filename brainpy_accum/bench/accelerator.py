@@ -238,6 +238,7 @@ def _first_epoch(build: Callable[[], _Trainer], batches: List[tuple], row: dict)
     return None
   row['first_epoch_s'] = time.perf_counter() - start
   row['first_fit_phases'] = phases.table()
+  row['first_fit_events'] = [list(event) for event in phases.events]  # the planner's compilations, in order
   row['fits'] = True
   return trainer
 

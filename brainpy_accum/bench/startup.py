@@ -96,6 +96,7 @@ def _child(options: dict, shape: dict) -> dict:
     trainer.fit(data, num_epoch=shape.get('epochs', 1))
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
   return {'seconds': seconds, 'cpu_seconds': cpu_seconds, 'compilations': compiled(), 'phases': phases.table(),
+          'events': [list(event) for event in phases.events],
           'device': f'{jax.devices()[0].device_kind} ({jax.default_backend()})',
           'plan': {str(k): v[0].describe() for k, v in getattr(trainer, 'memory_plans', {}).items()}}
 

@@ -22,7 +22,7 @@ Examples
 import contextlib
 import threading
 import time
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import jax.monitoring
 
@@ -43,8 +43,9 @@ def _stack() -> list:
 
 
 @contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-  """Mark the work inside as phase ``name`` (one of :data:`PHASES`) for any :func:`record_phases` open now."""
+def phase(name: str, note: Optional[str] = None) -> Iterator[None]:
+  """Mark the work inside as phase ``name`` (one of :data:`PHASES`) for any :func:`record_phases` open now;
+  ``note`` (what it was: a plan compiled) adds the span to the record's :attr:`PhaseRecord.events`."""
   stack = _stack()
   stack.append([name, time.perf_counter(), 0.])
   try:
@@ -56,14 +57,18 @@ def phase(name: str) -> Iterator[None]:
       stack[-1][2] += seconds
     for record in list(_recorders):
       record.add(name, seconds - inner, 'seconds')
+      if note is not None:
+        record.events.append((name, note, seconds))
 
 
 class PhaseRecord:
-  """Seconds and XLA compilations by phase, recorded while :func:`record_phases` is open."""
+  """Seconds and XLA compilations by phase, recorded while :func:`record_phases` is open; ``events``: the spans
+  marked with a note, in order, ``(phase, note, seconds)`` (the planner's compilations, each with its plan)."""
 
   def __init__(self, thread: threading.Thread):
     self.thread, self.start, self.total = thread, time.perf_counter(), None
     self.phases: Dict[str, Dict[str, float]] = {}
+    self.events: List[Tuple[str, str, float]] = []
     self._lock = threading.Lock()
 
   def add(self, name: str, value: float, field: str) -> None:

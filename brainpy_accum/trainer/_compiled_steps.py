@@ -413,7 +413,7 @@ class CompiledSteps:
 
   def _probe(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> StepMemory:
     """The planner's quick probe: the step's memory, compiled without optimising its code."""
-    with phase('planning probes'):
+    with phase('planning probes', note=plan.describe()):
       return step_memory(self.compile(inputs, targets, shared_args, plan=plan, via_window=via_window, quick=True))
 
   def _bytes_at_least(self, plan: MicroBatchPlan, shared_args, inputs, targets, via_window: bool = False) -> int:
@@ -447,7 +447,7 @@ class CompiledSteps:
       return self.train(shared_args, inputs, targets, plan=plan, via_window=via_window, streamed=via_window)
 
     step = bm.jit(traced, static_argnums=(0,))
-    with phase('planned step compiles'), self.parts.quiet(), self.parts.tracing(plan), \
+    with phase('planned step compiles', note=plan.describe()), self.parts.quiet(), self.parts.tracing(plan), \
          brainstate.environ.context(fit=True):
       compiled = step.compile(shared_args, inputs, targets)  # the jit's own call runs this executable
       values = step.stateful_fun.get_state_trace(shared_args, inputs, targets).get_state_values()

@@ -331,6 +331,9 @@ def test_first_fit_phases_add_up_to_the_fit_and_hold_the_planners_compilations(d
   table = recorded.table()
   assert table['planned step compiles']['compilations'] >= 1
   assert tpu_path or table['planning probes']['compilations'] >= 1
+  for name in ('planning probes', 'planned step compiles'):  # each of the planner's compilations, with its plan
+    events = [note for phase_name, note, _ in recorded.events if phase_name == name]
+    assert len(events) >= table[name]['compilations'] and all(note.startswith('batch ') for note in events), events
   assert table['trial runs']['seconds'] == 0  # (remat=False: no trial steps)
   assert sum(table[name]['seconds'] for name in PHASES) == pytest.approx(table['total']['seconds'], abs=1e-6)
   assert table['total']['compilations'] >= compiled()  # (the check's thread, beside, is not counted by compiled)
