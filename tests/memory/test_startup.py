@@ -16,7 +16,8 @@ import pytest
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.diagnostics._compiles import count_compilations
 from brainpy_accum.diagnostics._phases import PHASES, record_phases
-from brainpy_accum.memory._budget import StepMemory, candidate_micro_batch_sizes, largest_fitting, whole_first
+from brainpy_accum.memory._budget import (StepMemory, candidate_micro_batch_sizes, device_tile, largest_fitting,
+                                         whole_first)
 from brainpy_accum.memory._chunks import PIECE_FILL
 from brainpy_accum.memory._cache import PlanCache, cache_folder, use_compilation_cache
 from brainpy_accum.memory._plan_key import _code
@@ -404,8 +405,10 @@ def test_whole_first_pieces_search_starts_where_the_whole_batch_predicts(monkeyp
   trainer = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
   with overlapping(True), whole_first(True):
     trainer.plan_memory(*batches[0])
-  assert trainer.stream_chunks[size] <= size // 3 and size // 2 not in trials, (trainer.stream_chunks, trials)
-  assert trials[0] == size and len(trials) <= 3, trials
+  assert trainer.stream_chunks[size] <= size // 3 and trials[0] == size, (trainer.stream_chunks, trials)
+  if device_tile() == 1:  # (on a TPU this tiny model's whole batch, its 4 input features padded to 128 lanes, takes
+    # several times its pieces' bytes per sample: the guess scaled from it is far off; the answer is still exact)
+    assert size // 2 not in trials and len(trials) <= 3, trials
   unguided = _trainer(num_micro_batch='auto', memory_budget=budget, cache=False)
   monkeypatch.setattr(unguided.planner.streaming, '_whole_bytes', lambda request: None)
   with overlapping(True), whole_first(True):
