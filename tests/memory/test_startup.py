@@ -394,11 +394,12 @@ def test_whole_first_a_cached_plan_of_a_batch_sent_ahead_is_compiled_once(data, 
 def test_whole_first_pieces_search_starts_where_the_whole_batch_predicts(monkeypatch):
   """A TPU's path, forced on the CPU: the whole batch's compilation, which decides that the batch streams in
   pieces, scaled to a piece's samples is where the pieces' search starts, so half the batch (far above the piece
-  that fits) is not compiled; the piece chosen is the one the search finds without that guess. A batch of 48
-  with pieces of 8 to 12 (8 on a TPU, whose sizes above 8 are multiples of 8: the next one up is 16, not half)."""
+  that fits) is not compiled; the piece chosen is the one the search finds without that guess. A batch of 48, a
+  budget for pieces of 8 and not of the next size up (10; 16 on a TPU, whose sizes above 8 are multiples of 8),
+  which divides the batch: the piece is the largest size that fits, measured by the search itself."""
   size = 2 * SIZE
   batches = make_batches((size,), num_time=NUM_TIME, n_in=4, n_out=3)
-  budget = _piece_budget(batches[0], 8, 16)
+  budget = _piece_budget(batches[0], 8, min(s for s in candidate_micro_batch_sizes(size) if s > 8))
   trials, real = [], CompiledSteps._compiled_for_training
   monkeypatch.setattr(CompiledSteps, '_compiled_for_training', lambda self, plan, *args, **kwargs: trials.append(
     plan.batch_size) or real(self, plan, *args, **kwargs))
