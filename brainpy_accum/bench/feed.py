@@ -150,7 +150,8 @@ def measure_feed(shape: Shape, batch: int, epoch: int, rounds: int, budget: Opti
   """The measurements of the module's docstring: ``{'batch', 'epoch_s': {kind: [per round]}, 'copier_gb_per_s',
   'units': {'wait', 'send', 'period', 'refused'} (medians; 'refused': the share of sends), 'join_s', 'plans'
   (the trainer's plan before and after the rounds: the same, or the copies beside changed it), 'stream': {...}
-  or None}``. ``spikes``: the inputs as 0-or-1 ``uint8`` (a quarter of float32's bytes on the link)."""
+  or None}``. ``spikes``: the inputs as 0-or-1 ``uint8`` (a quarter of float32's bytes on the link; the device
+  epochs are of uint8 batches too: set them against a float32 run's for the conversion's cost)."""
   result = _whole(shape._replace(batch=batch), epoch, rounds, budget, spikes)  # its arrays freed before the next
   result['stream'] = None if not stream else _streamed(shape._replace(batch=stream), epoch, rounds, budget, spikes)
   return dict(result, spikes=spikes)

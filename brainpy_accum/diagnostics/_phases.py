@@ -45,7 +45,8 @@ def _stack() -> list:
 @contextlib.contextmanager
 def phase(name: str, note: Optional[str] = None) -> Iterator[None]:
   """Mark the work inside as phase ``name`` (one of :data:`PHASES`) for any :func:`record_phases` open now;
-  ``note`` (what it was: a plan compiled) adds the span to the record's :attr:`PhaseRecord.events`."""
+  ``note`` (what it was: a plan compiled) adds the span to the record's :attr:`PhaseRecord.events` (its whole
+  span, phases opened inside it included, where the phase table counts those apart)."""
   stack = _stack()
   stack.append([name, time.perf_counter(), 0.])
   try:

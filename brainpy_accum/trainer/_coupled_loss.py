@@ -45,7 +45,7 @@ samples, whatever the values.
 
 import threading
 import warnings
-from typing import Callable, Dict, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Union
 
 import brainpy as bp
 import brainpy.math as bm
@@ -219,12 +219,26 @@ class RunningCheck:
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
+class UntracedCheck:
+  """A check whose trace failed: it says so at ``finish(report=True)``, not before, so that a step failing the
+  same way (an error in ``loss_fun``) raises its own error alone, as bp.BPTT's would."""
+
+  def __init__(self, error: Exception):
+    self._error, self._reported = error, False
+
+  def finish(self, report: bool = True, retry: bool = True) -> None:
+    if report and not self._reported:
+      self._reported = True
+      _could_not_check(self._error)
+
+
 def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan,
                         reduction: str, use_found: Optional[Callable[[Dict[str, str]], None]] = None,
-                        fewer: Optional[Callable] = None, on: str = WHOLE) -> Optional[RunningCheck]:
+                        fewer: Optional[Callable] = None, on: str = WHOLE) -> Union[RunningCheck, UntracedCheck]:
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
-  values of now: the :class:`RunningCheck`, whose ``finish(report=True)`` waits for it and warns. XLA compiles
+  values of now: the :class:`RunningCheck`, whose ``finish(report=True)`` waits for it and warns (an
+  :class:`UntracedCheck` where the trace fails: it warns at ``finish`` too). XLA compiles
   and runs the check while fit goes on (the planner's search, or the first train steps, dispatched before the
   check is traced), and the check's result does not depend on what those steps change. No thread outlives the
   call of ``finish``.
@@ -243,8 +257,7 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
     except MetricsError:
       raise
     except Exception as error:
-      _could_not_check(error)
-      return None
+      return UntracedCheck(error)
   running = RunningCheck(lowered, values, inputs, targets, names, plan, reduction, use_found, fewer, on)
   if names.undecided or names.stitched:  # the step to be traced next combines them as found
     running.finish(report=False)

@@ -406,3 +406,19 @@ def test_a_fixed_plans_check_starts_before_its_first_step_off_the_cpu(monkeypatc
     _fit(batch_normalised, model='rnn')
   assert len(_coupled(record)) == 1
   assert events[:2] == (['check', 'step'] if before else ['step', 'check']), events
+
+
+@pytest.mark.parametrize('before', [False, True])
+def test_a_loss_that_fails_raises_its_own_error_alone(before):
+  """An error in ``loss_fun`` is the step's to raise, as bp.BPTT's step would: the check, which traced the same
+  loss first (before the step, off the CPU), says nothing of it."""
+  from brainpy_accum.trainer import _fit_check
+
+  def broken(predicts, targets):
+    raise ValueError('a mistake in loss_fun')
+
+  with _fit_check.before_first_step(before), warnings.catch_warnings(record=True) as record, \
+       pytest.raises(ValueError, match='a mistake in loss_fun'):
+    warnings.simplefilter('always')
+    _fit(broken, model='rnn')
+  assert not [w for w in record if 'Could not check' in str(w.message)]
