@@ -360,6 +360,13 @@ def whole_first(enabled: Optional[bool]):
     _WHOLE_FIRST[0] = before
 
 
+def first_probe_trains(compilers, via_window: bool = False) -> bool:
+  """Whether a search's first candidate, a batch in one micro-batch, is compiled for training: where
+  :func:`compiles_whole_first` and fit can run that step itself (``compilers.keepable(via_window)``, see
+  :class:`~brainpy_accum.memory._planner.Compilers`); else it is probed quickly."""
+  return compiles_whole_first() and compilers.keepable(via_window)
+
+
 def fewest_fitting(share: int, budget: int, compilers, batch: tuple, via_window: bool,
                    whole: Optional[PlannedStep] = None) -> Tuple[int, int, Optional[PlannedStep]]:
   """``(micro_batch_size, bytes, compiled step or None)``: the fewest micro-batches of a share of ``share`` samples
@@ -377,7 +384,7 @@ def fewest_fitting(share: int, budget: int, compilers, batch: tuple, via_window:
   keepable, kept = compilers.keepable(via_window), {}
   if whole is not None:
     kept[share] = whole
-  elif keepable and compiles_whole_first():  # the search's first probe, compiled for training
+  elif first_probe_trains(compilers, via_window):  # the search's first probe, compiled for training
     kept[share] = compilers.trial(plan_of(share), *batch, via_window)
   if share in kept and kept[share].memory.total <= budget:
     return share, kept[share].memory.total, kept[share]

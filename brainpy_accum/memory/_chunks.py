@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._states import values_restored
-from ._budget import (PlannedStep, StepMemory, argument_bytes, candidate_micro_batch_sizes, compiles_whole_first,
+from ._budget import (PlannedStep, StepMemory, argument_bytes, candidate_micro_batch_sizes, first_probe_trains,
                       format_memory, largest_fitting, memory_parts, state_bytes)
 from ._cache import CachedPlans
 from ._device import PlanBudget
@@ -154,7 +154,7 @@ class Streaming:
     with values_restored(self.model.variables(), any_shape=True):
       self.model.reset(batch_size)
       one = plan_micro_batches(batch_size, num_micro_batch=1)._replace(remat=False if self.remat == 'auto' else None)
-      if not (compiles_whole_first() and request.compilers.keepable(False)):
+      if not first_probe_trains(request.compilers):
         total, measured = memory_parts(request.compilers.step_bytes(one, *request.batch, False))
         return StepMemory(total, max(fixed, measured))
       planned = request.compilers.trial(one, *request.batch, False)
@@ -173,7 +173,7 @@ class Streaming:
     measured: Dict[int, int] = {}
     # where the planner compiles a step for training first (a TPU), each probe is that compilation, and the
     # chosen piece's is the one its plan keeps (a quick probe would be a second compilation of the same step)
-    trained = compiles_whole_first() and request.compilers.keepable(True)
+    trained = first_probe_trains(request.compilers, True)
 
     def measure(size):  # the piece's step through the window, the next piece sent ahead, the batch's states
       if size not in measured:

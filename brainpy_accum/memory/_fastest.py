@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..core._cut import describe_remat, plan_micro_batches
 from ..diagnostics._phases import phase
 from ._budget import (PlannedStep, StepMemory, TooSmall, memory_parts, candidate_micro_batch_sizes, format_memory,
-                      compiles_whole_first, largest_fitting)
+                      first_probe_trains, largest_fitting)
 
 __all__ = ['Candidate', 'REMAT_OPTIONS', 'choose_fastest_plan', 'fastest_fitting', 'time_steps', 'describe_choice']
 
@@ -148,7 +148,7 @@ def fastest_fitting(share: int, budget: int, compilers, batch: tuple, via_window
       compiled[size, remat] = compilers.trial(plan_of(size, remat), *batch, via_window)
     return compiled[size, remat]
 
-  if compilers.keepable(via_window) and compiles_whole_first() and whole is None:  # the first probe, for training
+  if first_probe_trains(compilers, via_window) and whole is None:  # the first probe, for training
     compile_(share, False)
 
   def probe(size, remat):

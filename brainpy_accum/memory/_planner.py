@@ -26,7 +26,7 @@ from tqdm import tqdm
 from ..core._cut import MicroBatchPlan, plan_micro_batches
 from ..core._mesh import check_divisible
 from ..core._states import values_restored
-from ._budget import (PlannedStep, StepMemory, TooSmall, choose_micro_batch_size, compiles_whole_first,
+from ._budget import (PlannedStep, StepMemory, TooSmall, choose_micro_batch_size, first_probe_trains,
                       fewest_fitting, format_memory, memory_parts, plural)
 from ._cache import CachedPlans, PlanCache
 from ._chunks import Streaming
@@ -289,11 +289,10 @@ class Planner:
   def probes_first(self, shared_args, inputs, targets) -> bool:
     """Whether planning this batch starts with quick probes, beside which other work can compile: not where its
     plan is cached, nor where the first candidate, the batch in one micro-batch, is compiled for training
-    (:func:`~brainpy_accum.memory._budget.compiles_whole_first`, where fit can run that step), which most often
-    is the plan (on a TPU v5e, tracing the first-batch check before that search cost a small rate RNN 0.6 s of
-    a 2.3 s first epoch, for a batch that ran whole: nothing to check)."""
-    return not (compiles_whole_first() and self.compilers.keepable(False)) \
-        and not self.is_cached(shared_args, inputs, targets)
+    (:func:`~brainpy_accum.memory._budget.first_probe_trains`), which most often is the plan (on a TPU v5e,
+    tracing the first-batch check before that search cost a small rate RNN 0.6 s of a 2.3 s first epoch, for a
+    batch that ran whole: nothing to check)."""
+    return not first_probe_trains(self.compilers) and not self.is_cached(shared_args, inputs, targets)
 
   # ------------------------------------------------------------------ planning
 
