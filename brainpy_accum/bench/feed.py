@@ -41,6 +41,7 @@ from .workloads import Shape, make_batch
 __all__ = ['feed_timeline', 'measure_feed', 'feed_section', 'main']
 
 WORKLOAD = 'snn_ce'
+UNITS = ('wait', 'send', 'period', 'refused')  # what feed_timeline records of each unit
 
 
 @contextlib.contextmanager
@@ -59,7 +60,7 @@ def feed_timeline():
   >>> len(units['wait']), len(units['period'])
   (3, 2)
   """
-  units: Dict[str, List[float]] = {'wait': [], 'send': [], 'period': [], 'refused': []}
+  units: Dict[str, List[float]] = {key: [] for key in UNITS}
   dispatched, send, last = _feed.Sender.dispatched, _feed.Sender.send, [None]
 
   def timed_dispatched(self, outputs):
@@ -130,8 +131,7 @@ def _epoch_seconds(trainer: _Trainer, batches: list, overlap: Optional[bool] = N
 
 def _join_seconds(piece: np.ndarray, repeats: int = 5) -> float:
   """The median time of joining a piece's slices, already on the device, into one array there."""
-  rows = np.linspace(0, len(piece), _feed.PUT_THREADS + 1).astype(int)
-  slices = jax.block_until_ready([jax.device_put(piece[a:b]) for a, b in zip(rows[:-1], rows[1:])])
+  slices = jax.block_until_ready([jax.device_put(part) for part in _feed._row_slices(piece)])
   jax.block_until_ready(jnp.concatenate(slices, axis=0))
   times = []
   for _ in range(repeats):
@@ -141,8 +141,10 @@ def _join_seconds(piece: np.ndarray, repeats: int = 5) -> float:
   return statistics.median(times)
 
 
-def _medians(units: Dict[str, List[float]]) -> Dict[str, float]:
-  return {key: statistics.median(values) if values else None for key, values in units.items()}
+def _medians(recorded: Sequence[Dict[str, List[float]]]) -> Dict[str, Optional[float]]:
+  """Each of :data:`UNITS`' median over the rounds' records (``None`` where none was recorded)."""
+  values = {key: [value for units in recorded for value in units[key]] for key in UNITS}
+  return {key: statistics.median(found) if found else None for key, found in values.items()}
 
 
 def measure_feed(shape: Shape, batch: int, epoch: int, rounds: int, budget: Optional[int],
@@ -171,7 +173,7 @@ def _whole(shape: Shape, epoch: int, rounds: int, budget: Optional[int], spikes:
   _epoch_seconds(trainer, on_device[:2])
   plans = [trainer.plan()['plan']]
   times: Dict[str, List[float]] = {'device': [], 'device, copies beside': [], 'numpy, sent ahead': []}
-  copier_rates, units = [], {'wait': [], 'send': [], 'period': [], 'refused': []}
+  copier_rates, records = [], []
   for _ in range(rounds):
     times['device'].append(_epoch_seconds(trainer, on_device))
     with _Copier(source) as copier:
@@ -179,11 +181,10 @@ def _whole(shape: Shape, epoch: int, rounds: int, budget: Optional[int], spikes:
     copier_rates.append(copier.gb_per_s())
     with feed_timeline() as recorded:
       times['numpy, sent ahead'].append(_epoch_seconds(trainer, host, overlap=True))
-    for key in units:
-      units[key] += recorded[key]
+    records.append(recorded)
   del on_device
   return {'batch': shape.batch, 'epoch': epoch, 'piece_bytes': int(x.nbytes), 'epoch_s': times,
-          'copier_gb_per_s': statistics.median(copier_rates), 'units': _medians(units), 'join_s': _join_seconds(x),
+          'copier_gb_per_s': statistics.median(copier_rates), 'units': _medians(records), 'join_s': _join_seconds(x),
           'plans': plans + [trainer.plan()['plan']]}
 
 
@@ -193,14 +194,13 @@ def _streamed(shape: Shape, epoch: int, rounds: int, budget: Optional[int], spik
   x, y = _batch(shape, spikes)
   host = [(x, y)] * epoch
   _epoch_seconds(trainer, host[:1], overlap=True)
-  times, units = [], {'wait': [], 'send': [], 'period': [], 'refused': []}
+  times, records = [], []
   for _ in range(rounds):
     with feed_timeline() as recorded:
       times.append(_epoch_seconds(trainer, host, overlap=True))
-    for key in units:
-      units[key] += recorded[key]
+    records.append(recorded)
   return {'batch': batch, 'piece': trainer.trainer.stream_chunks.get(batch), 'epoch_s': times,
-          'units': _medians(units)}
+          'units': _medians(records)}
 
 
 def feed_section(result: dict) -> str:

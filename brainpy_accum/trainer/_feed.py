@@ -97,15 +97,19 @@ def _split(x) -> bool:
           and x.flags.c_contiguous)
 
 
+def _row_slices(x) -> list:
+  """``x`` cut along its first axis into :data:`PUT_THREADS` slices (views) of nearly equal rows."""
+  rows = np.linspace(0, x.shape[0], PUT_THREADS + 1).astype(int)
+  return [x[a:b] for a, b in zip(rows[:-1], rows[1:])]
+
+
 def _put(x):
   """One host leaf on the default device: large ones as row slices copied at once on threads, joined there."""
   if not _split(x):
     return jax.device_put(x)
   if not _POOL:
     _POOL.append(concurrent.futures.ThreadPoolExecutor(PUT_THREADS, thread_name_prefix='brainpy_accum put'))
-  rows = np.linspace(0, x.shape[0], PUT_THREADS + 1).astype(int)
-  slices = list(_POOL[0].map(jax.device_put, [x[a:b] for a, b in zip(rows[:-1], rows[1:])]))
-  return jnp.concatenate(slices, axis=0)
+  return jnp.concatenate(list(_POOL[0].map(jax.device_put, _row_slices(x))), axis=0)
 
 
 def on_device(batch) -> Optional[Any]:
