@@ -34,9 +34,8 @@ def _model():
   return make_model('rnn', n_in=4, n_hidden=32, n_out=3)
 
 
-def _trainer(model=None, **kwargs):
-  return AccumBPTT(model or _model(), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05),
-                   progress_bar=False, **kwargs)
+def _trainer(model=None, loss=bp.losses.mean_squared_error, **kwargs):
+  return AccumBPTT(model or _model(), loss, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False, **kwargs)
 
 
 @pytest.fixture(scope='module')
@@ -447,8 +446,7 @@ def test_whole_first_a_batch_that_fits_traces_no_first_batch_check(data):
   batches, budget, _ = data
   loss = lambda predicts, targets: bp.losses.mean_squared_error(predicts, targets)  # noqa: E731 (not skipped)
   for memory_budget, checked in (('1GiB', False), (budget, True)):
-    trainer = AccumBPTT(_model(), loss, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False,
-                        num_micro_batch='auto', memory_budget=memory_budget, cache=False)
+    trainer = _trainer(loss=loss, num_micro_batch='auto', memory_budget=memory_budget, cache=False)
     with whole_first(True), record_phases() as recorded:
       trainer.fit(batches, num_epoch=1)
     table = recorded.table()
@@ -466,8 +464,8 @@ def test_whole_first_a_coupled_loss_still_warns_once(data, piece_budget, sent_ah
   def coupled(predicts, targets):
     return bp.losses.mean_squared_error(predicts - predicts.mean(), targets)
 
-  trainer = AccumBPTT(_model(), coupled, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False,
-                      num_micro_batch='auto', memory_budget=piece_budget if sent_ahead else budget, cache=False)
+  trainer = _trainer(loss=coupled, num_micro_batch='auto', memory_budget=piece_budget if sent_ahead else budget,
+                     cache=False)
   with whole_first(True), overlapping(sent_ahead), pytest.warns(UserWarning, match='couples the samples') as record:
     trainer.fit(batches, num_epoch=2)
   assert sum('couples the samples' in str(w.message) for w in record) == 1
