@@ -1,24 +1,25 @@
 """``python -m brainpy_accum.bench.feed``: where a NumPy epoch loses time against device data, on an accelerator.
 
 AccumBPTT's ``fit`` sends each NumPy batch (or each piece of a streamed one) to the device while the step before
-it runs (:mod:`~brainpy_accum.trainer._feed`). On a TPU v5e such epochs ran at 0.88-0.91 of the same trainer on
-device data although a piece's copy (about 50 ms for 512 MiB on 8 threads) is shorter than the step it hides
-behind (about 61 ms). For the bench's spiking network at ``--batch`` (a batch that runs whole on the device) this
-times, in the same rounds:
+it runs (:mod:`~brainpy_accum.trainer._feed`). On a TPU v5e such epochs ran at 0.89-0.90 of the same trainer on
+device data at a batch of 2,048, and at 0.83-0.85 streamed at 32,768, although a piece's copy (about 52 ms for
+512 MiB) is shorter than the step it hides behind (about 61 ms). For the bench's spiking network at ``--batch`` (a
+batch that runs whole on the device) this times, in the same rounds:
 
 - ``device``: an epoch on device batches (no copy);
-- ``device, copies beside``: the same while another thread copies pieces of the same size out of a host array the
-  way ``fit`` does (slices on threads, joined on the device), back to back: whether a copy slows the step that
-  runs beside it (then the feed cannot hide it whatever the loop does);
+- ``device, copies beside``: the same while another thread copies arrays of the same size to the device the way
+  ``fit`` does, back to back: whether a copy slows the step that runs beside it (then the feed cannot hide it
+  whatever the loop does);
 - ``numpy, sent ahead``: the epoch ``fit`` gives a user, with each unit's time in the loop's two waits: for the
-  step before to end (``wait``) and in sending the next unit (``send``: the host's part, starting the slices'
-  copies and queueing their join; the copies themselves and the join run on after it, and the join's device time
-  falls in a later ``wait``), and how many sends found no room on the device (the step then copies its own data);
+  step before to end (``wait``) and in sending the next unit (``send``: the host's part of starting the copy),
+  the time between dispatches (``period``), how long each copy took to arrive (``arrival``: from its send until
+  its arrays are ready on the device, timed on a thread of its own) and how many sends found no room on the
+  device (the step then copies its own data).
 
-and the join of a piece's slices alone on the device. ``--batch`` is a batch that runs whole (three of it sit on
-the device: the device epoch's, the copies', the NumPy epoch's). ``--stream B`` adds the NumPy epoch of a batch
-streamed in pieces (its units are pieces), measured after the first part's arrays are freed. Prints a markdown
-section; ``--json`` writes the measurements.
+``--stream B`` adds the NumPy epoch of a batch streamed in pieces (its units are pieces), measured after the first
+part's arrays are freed, with the periods of each batch's first piece apart from the others'. Prints a markdown
+section (medians, and the mean period: the median hides units that wait long); ``--json`` writes the
+measurements, every unit's included.
 """
 
 import argparse
@@ -30,7 +31,6 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..memory import parse_memory
@@ -41,27 +41,30 @@ from .workloads import Shape, make_batch
 __all__ = ['feed_timeline', 'measure_feed', 'feed_section', 'main']
 
 WORKLOAD = 'snn_ce'
-UNITS = ('wait', 'send', 'period', 'refused')  # what feed_timeline records of each unit
+UNITS = ('wait', 'send', 'period', 'arrival', 'refused')  # what feed_timeline records of each unit
 
 
 @contextlib.contextmanager
 def feed_timeline():
   """Within the ``with``, every unit ``fit`` dispatches is recorded: ``{'wait': [...], 'send': [...], 'period':
-  [...]}`` in seconds: the time in waiting for the step before, in sending the next unit, and between dispatches.
+  [...], 'arrival': [...], 'refused': [...]}``, in seconds: the time in waiting for the step before, in sending the
+  next unit, between dispatches, and from each send until the copy is ready on the device (in the order the copies
+  arrive; waited for on leaving the ``with``); ``refused``: 1.0 for a send that found no room, else 0.0.
 
   Examples
   --------
-  >>> import jax.numpy as jnp
+  >>> import numpy as np, jax.numpy as jnp
   >>> from brainpy_accum.trainer._feed import Sender, overlapping
   >>> with overlapping(True), feed_timeline() as units:
   ...   sender = Sender()
   ...   for _ in range(3):
   ...     sender.dispatched(jnp.zeros(2))
-  >>> len(units['wait']), len(units['period'])
-  (3, 2)
+  ...     _ = sender.send(np.ones(2, np.float32))
+  >>> len(units['wait']), len(units['period']), len(units['arrival'])
+  (3, 2, 3)
   """
   units: Dict[str, List[float]] = {key: [] for key in UNITS}
-  dispatched, send, last = _feed.Sender.dispatched, _feed.Sender.send, [None]
+  dispatched, send, last, watchers = _feed.Sender.dispatched, _feed.Sender.send, [None], []
 
   def timed_dispatched(self, outputs):
     start = time.perf_counter()
@@ -71,11 +74,18 @@ def feed_timeline():
     dispatched(self, outputs)
     units['wait'].append(time.perf_counter() - start)
 
+  def arrived(sent, start):
+    jax.block_until_ready(sent)
+    units['arrival'].append(time.perf_counter() - start)
+
   def timed_send(self, data):
     start = time.perf_counter()
     sent = send(self, data)
     units['send'].append(time.perf_counter() - start)
     units['refused'].append(float(self.enabled and sent is None))
+    if sent is not None:
+      watchers.append(threading.Thread(target=arrived, args=(sent, start), daemon=True))
+      watchers[-1].start()
     return sent
 
   _feed.Sender.dispatched, _feed.Sender.send = timed_dispatched, timed_send
@@ -83,6 +93,8 @@ def feed_timeline():
     yield units
   finally:
     _feed.Sender.dispatched, _feed.Sender.send = dispatched, send
+    for watcher in watchers:
+      watcher.join()
 
 
 class _Copier:
@@ -129,28 +141,29 @@ def _epoch_seconds(trainer: _Trainer, batches: list, overlap: Optional[bool] = N
     return time.perf_counter() - start
 
 
-def _join_seconds(piece: np.ndarray, repeats: int = 5) -> float:
-  """The median time of joining a piece's slices, already on the device, into one array there."""
-  slices = jax.block_until_ready([jax.device_put(part) for part in _feed._row_slices(piece)])
-  jax.block_until_ready(jnp.concatenate(slices, axis=0))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(jnp.concatenate(slices, axis=0))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
-def _medians(recorded: Sequence[Dict[str, List[float]]]) -> Dict[str, Optional[float]]:
-  """Each of :data:`UNITS`' median over the rounds' records (``None`` where none was recorded)."""
+def _summary(recorded: Sequence[Dict[str, List[float]]], pieces: int = 1) -> Dict[str, Optional[float]]:
+  """Over the rounds' records: each of :data:`UNITS`' median (``None`` where none was recorded), and of the
+  periods and arrivals the mean, the 90th percentile and the largest; with ``pieces`` units a batch, also the
+  mean period before each batch's first unit (``period_first``: across a batch's end) and before the others."""
   values = {key: [value for units in recorded for value in units[key]] for key in UNITS}
-  return {key: statistics.median(found) if found else None for key, found in values.items()}
+  summary = {key: statistics.median(found) if found else None for key, found in values.items()}
+  for key in ('period', 'arrival'):
+    found = np.asarray(values[key])
+    summary.update({f'{key}_mean': float(found.mean()) if found.size else None,
+                    f'{key}_p90': float(np.percentile(found, 90)) if found.size else None,
+                    f'{key}_max': float(found.max()) if found.size else None})
+  if pieces > 1:  # period i ends at unit i + 1's dispatch; the units of a round run from a batch's first piece
+    first = [p for units in recorded for i, p in enumerate(units['period']) if (i + 1) % pieces == 0]
+    rest = [p for units in recorded for i, p in enumerate(units['period']) if (i + 1) % pieces]
+    summary.update(period_first=statistics.fmean(first) if first else None,
+                   period_rest=statistics.fmean(rest) if rest else None)
+  return summary
 
 
 def measure_feed(shape: Shape, batch: int, epoch: int, rounds: int, budget: Optional[int],
                  stream: Optional[int] = None, spikes: bool = False) -> dict:
   """The measurements of the module's docstring: ``{'batch', 'epoch_s': {kind: [per round]}, 'copier_gb_per_s',
-  'units': {'wait', 'send', 'period', 'refused'} (medians; 'refused': the share of sends), 'join_s', 'plans'
+  'units': (:func:`_summary`; 'refused': the share of sends), 'records' (every unit's, a dict a round), 'plans'
   (the trainer's plan before and after the rounds: the same, or the copies beside changed it), 'stream': {...}
   or None}``. ``spikes``: the inputs as 0-or-1 ``uint8`` (a quarter of float32's bytes on the link; the device
   epochs are of uint8 batches too: set them against a float32 run's for the conversion's cost)."""
@@ -184,7 +197,7 @@ def _whole(shape: Shape, epoch: int, rounds: int, budget: Optional[int], spikes:
     records.append(recorded)
   del on_device
   return {'batch': shape.batch, 'epoch': epoch, 'piece_bytes': int(x.nbytes), 'epoch_s': times,
-          'copier_gb_per_s': statistics.median(copier_rates), 'units': _medians(records), 'join_s': _join_seconds(x),
+          'copier_gb_per_s': statistics.median(copier_rates), 'units': _summary(records), 'records': records,
           'plans': plans + [trainer.plan()['plan']]}
 
 
@@ -199,37 +212,50 @@ def _streamed(shape: Shape, epoch: int, rounds: int, budget: Optional[int], spik
     with feed_timeline() as recorded:
       times.append(_epoch_seconds(trainer, host, overlap=True))
     records.append(recorded)
-  return {'batch': batch, 'piece': trainer.trainer.stream_chunks.get(batch), 'epoch_s': times,
-          'units': _medians(records)}
+  piece = trainer.trainer.stream_chunks.get(batch)
+  return {'batch': batch, 'piece': piece, 'epoch_s': times, 'units': _summary(records, -(-batch // (piece or batch))),
+          'records': records}
+
+
+def _ms(seconds: Optional[float]) -> str:
+  return '-' if seconds is None else f'{1e3 * seconds:.1f}'
+
+
+def _units_text(units: dict) -> str:
+  """A unit summary (:func:`_summary`) in words, in ms."""
+  text = (f'period {_ms(units["period"])} (mean {_ms(units["period_mean"])}, 90th percentile '
+          f'{_ms(units["period_p90"])}, longest {_ms(units["period_max"])}), wait for the step before '
+          f'{_ms(units["wait"])}, send {_ms(units["send"])}, arrival {_ms(units["arrival"])} (90th percentile '
+          f'{_ms(units["arrival_p90"])}, longest {_ms(units["arrival_max"])}); sends refused for room: '
+          f'{units["refused"]:.0%}')
+  if units.get('period_first') is not None:
+    text += (f'; mean period before a batch\'s first piece {_ms(units["period_first"])}, before the others '
+             f'{_ms(units["period_rest"])}')
+  return text
 
 
 def feed_section(result: dict) -> str:
   """The measurements as markdown."""
   batch, epoch = result['batch'], result['epoch']
   rate = {kind: epoch * batch / statistics.median(ts) for kind, ts in result['epoch_s'].items()}
-  ms = lambda s: '-' if s is None else f'{1e3 * s:.1f}'  # noqa: E731
   inputs = 'uint8 spike' if result.get('spikes') else 'float32'
   lines = [f'Device: {jax.devices()[0].device_kind}. Batch {batch} ({result["piece_bytes"] / 2 ** 20:.0f} MiB of '
            f'{inputs} inputs), epochs of {epoch} batches, {len(result["epoch_s"]["device"])} rounds.', '',
            '| epoch | samples/s | / device |', '|---|---|---|']
   lines += [f'| {kind} | {value:,.0f} | {value / rate["device"]:.3f} |' for kind, value in rate.items()]
-  units = result['units']
   lines += ['', f'The copies beside ran at {result["copier_gb_per_s"]:.2f} GB/s; the plan {result["plans"][0]}'
-                + ('' if len(set(result['plans'])) == 1 else f', after the rounds {result["plans"][1]}') + '. NumPy '
-                f'units (medians, ms): period {ms(units["period"])}, wait for the step before {ms(units["wait"])}, '
-                f'send {ms(units["send"])} (sends refused for room: {units["refused"]:.0%}); the join of a piece\'s '
-                f'slices on the device alone {ms(result["join_s"])}; a device epoch\'s step '
-                f'{ms(statistics.median(result["epoch_s"]["device"]) / epoch)}.']
+                + ('' if len(set(result['plans'])) == 1 else f', after the rounds {result["plans"][1]}') + '; a device '
+                f'epoch\'s step {_ms(statistics.median(result["epoch_s"]["device"]) / epoch)} ms. NumPy units (medians, '
+                f'ms): {_units_text(result["units"])}.']
   stream = result.get('stream')
   if stream:
-    units, seconds = stream['units'], statistics.median(stream['epoch_s'])
+    seconds = statistics.median(stream['epoch_s'])
     how = 'not streamed (it ran whole)'
     if stream['piece']:
       pieces = -(-stream['batch'] // stream['piece'])
-      how = f'in pieces of {stream["piece"]}, {ms(seconds / epoch / pieces)} ms a piece'
+      how = f'in pieces of {stream["piece"]}, {_ms(seconds / epoch / pieces)} ms a piece'
     lines += ['', f'Streamed: batch {stream["batch"]} {how}: {epoch * stream["batch"] / seconds:,.0f} samples/s; '
-                  f'units: period {ms(units["period"])}, wait {ms(units["wait"])}, send {ms(units["send"])} '
-                  f'(refused {units["refused"]:.0%}).']
+                  f'units (ms): {_units_text(stream["units"])}.']
   return '\n'.join(lines)
 
 

@@ -162,9 +162,9 @@ def test_startup_table_sets_each_first_epoch_against_bptts_at_the_same_batch_or_
 
 @pytest.mark.long  # about 7 s: README suite time
 def test_feed_bench_times_device_copies_beside_and_numpy_units(tmp_path):
-  """bench.feed: each kind of epoch timed every round, the NumPy epoch's units recorded (one a batch: the waits
-  and sends the loop made), the join and the copier measured; on a CPU also a batch streamed in pieces (a 40 KiB
-  budget is one of the CPU's byte figures)."""
+  """bench.feed: each kind of epoch timed every round, the NumPy epoch's units recorded (one a batch: the waits,
+  sends and arrivals the loop made), the copier measured; on a CPU also a batch streamed in pieces (a 40 KiB
+  budget is one of the CPU's byte figures), its periods apart by a piece's place in its batch."""
   from brainpy_accum.bench import feed
   cpu = jax.default_backend() == 'cpu'
   path = tmp_path / 'feed.json'
@@ -173,9 +173,13 @@ def test_feed_bench_times_device_copies_beside_and_numpy_units(tmp_path):
   assert json.loads(path.read_text())['batch'] == 16
   assert all(len(times) == 2 for times in result['epoch_s'].values()) and len(result['epoch_s']) == 3
   assert all(value is not None and value >= 0 for value in result['units'].values())
-  assert result['copier_gb_per_s'] > 0 and result['join_s'] > 0
+  assert result['copier_gb_per_s'] > 0 and [len(r['wait']) for r in result['records']] == [2, 2]
+  assert [len(r['arrival']) for r in result['records']] == [1, 1]  # the epoch's second batch, sent ahead
   if cpu:
-    assert result['stream']['piece'] < 32 and len(result['stream']['epoch_s']) == 2
+    stream = result['stream']
+    pieces = -(-32 // stream['piece'])
+    assert 1 < pieces and len(stream['epoch_s']) == 2 and len(stream['records'][0]['wait']) == 2 * pieces
+    assert stream['units']['period_first'] > 0 and stream['units']['period_rest'] > 0
   assert 'samples/s' in feed.feed_section(result)
   spikes = feed.measure_feed(feed.QUICK['shape'], 16, 2, 1, 2 ** 30 if cpu else None, spikes=True)
   assert spikes['spikes'] and spikes['piece_bytes'] * 4 == result['piece_bytes']
