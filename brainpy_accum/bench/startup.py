@@ -19,6 +19,7 @@ differences: whether a change made the first fit slower, where separate runs of 
 """
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ['TRAINERS', 'TARGETS', 'CLIENT_SHAPE', 'CLIENT_TARGETS', 'STARTUP_HEADER', 'run_one', 'measure_startup',
            'startup_section', 'measure_against', 'against_section']
@@ -121,20 +122,25 @@ def run_one(name: str, cache: str, shape: dict = SHAPE, tree: Optional[str] = No
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure_startup(names: Sequence[str] = tuple(TRAINERS), rounds: int = 3, shape: dict = SHAPE) -> dict:
+def measure_startup(names: Sequence[str] = tuple(TRAINERS), rounds: int = 3, shape: dict = SHAPE,
+                    reruns: bool = True, save: Optional[Callable[[dict], None]] = None) -> dict:
   """``{name: {'first': [runs], 'rerun': [runs]}}``: per round, each trainer's first run on an empty cache
-  folder, then its rerun on that folder; trainers alternate within a round, in reversed order every other round."""
+  folder, then its rerun on that folder (``reruns=False``: no reruns, their lists empty); trainers alternate within
+  a round, in reversed order every other round. ``save(results)`` is called after every run, with what is measured
+  so far (a run cut short keeps it)."""
   results = {name: {'first': [], 'rerun': []} for name in names}
   for round_ in range(rounds):
     order = list(names) if round_ % 2 == 0 else list(reversed(names))
     folders = {name: tempfile.mkdtemp(prefix='brainpy_accum_startup_') for name in order}
     try:
-      for kind in ('first', 'rerun'):
+      for kind in ('first', 'rerun') if reruns else ('first',):
         for name in order:
           results[name][kind].append(run_one(name, folders[name], shape))
           done = results[name][kind][-1]
           print(f'round {round_} {kind:5} {name:40} {done["seconds"]:6.2f} s  {done["cpu_seconds"]:6.2f} CPU s  '
                 f'{done["compilations"]} compilations', flush=True)
+          if save is not None:
+            save(results)
     finally:
       for folder in folders.values():
         shutil.rmtree(folder, ignore_errors=True)
@@ -212,7 +218,7 @@ def startup_section(results: dict, load: str = '', targets: Dict[str, tuple] = T
             '|---|---|---|---|---|---|---|---|']
   verdicts = []
   for name, runs in results.items():
-    for kind in ('first', 'rerun'):
+    for kind in (kind for kind in ('first', 'rerun') if runs[kind]):  # (no reruns: --no-rerun)
       cells = [name if kind == 'first' else '', kind]
       for field in ('seconds', 'cpu_seconds'):
         values = [r.get(field, float('nan')) for r in runs[kind]]
@@ -236,6 +242,11 @@ def startup_section(results: dict, load: str = '', targets: Dict[str, tuple] = T
   return '\n'.join(lines)
 
 
+def _write_json(path: str, results: dict) -> None:
+  with open(path, 'w') as f:
+    json.dump(results, f, indent=1)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
   parser = argparse.ArgumentParser(prog='python -m brainpy_accum.bench.startup', description=__doc__.split('\n')[0])
   parser.add_argument('--rounds', type=int, default=3)
@@ -244,7 +255,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                       help='a client-sized whole run (3 batches, 2 epochs) instead of the first epoch of 2 batches')
   parser.add_argument('--against', default=None, metavar='TREE',
                       help='compare first runs with the package of another checkout (a worktree of another commit)')
-  parser.add_argument('--json', default=None, help='also write the measurements to this file')
+  parser.add_argument('--json', default=None, help='also write the measurements to this file (after every run: a '
+                                                    'run cut short keeps what it measured)')
+  parser.add_argument('--no-rerun', action='store_true', help='first runs only (half the time; no rerun column)')
   parser.add_argument('--child-platforms', default=None, metavar='PLATFORMS',
                       help="the timed processes' JAX_PLATFORMS. On a TPU, which one process at a time can open, run "
                            'this one with JAX_PLATFORMS=cpu (importing brainpy opens the default device) and pass '
@@ -261,16 +274,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
   if args.against is not None:
     results = measure_against(args.against, args.trainers, args.rounds, CLIENT_SHAPE if args.client else SHAPE)
     if args.json:
-      with open(args.json, 'w') as f:
-        json.dump(results, f, indent=1)
+      _write_json(args.json, results)
     print(against_section(results, args.against))
     return
   shape, targets = (CLIENT_SHAPE, CLIENT_TARGETS) if args.client else (SHAPE, TARGETS)
-  results = measure_startup(args.trainers, args.rounds, shape)
+  results = measure_startup(args.trainers, args.rounds, shape, reruns=not args.no_rerun,
+                            save=None if args.json is None else functools.partial(_write_json, args.json))
   after = ', '.join(f'{v:.2f}' for v in os.getloadavg())
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(results, f, indent=1)
   print(f'Timed: from building the trainer to the end of fit, {shape["batches"]} batches of {shape["batch"]}, '
         f'{shape["epochs"]} epoch(s).\n')
   print(startup_section(results, f'{before} before, {after} after', targets))

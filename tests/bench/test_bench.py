@@ -218,3 +218,26 @@ def test_startup_child_platforms_reach_the_timed_processes_and_a_held_device_is_
   with pytest.raises(RuntimeError, match='--child-platforms'):
     startup.run_one('bp.BPTT', '/nowhere')
   assert seen == ['tpu']
+
+
+def test_startup_saves_after_every_run_and_can_skip_reruns(monkeypatch, tmp_path):
+  """A start-up run cut short (a chip call's time limit) keeps what it measured: ``--json`` is written after every
+  run; ``--no-rerun`` makes first runs only, and the table then has no rerun rows."""
+  from brainpy_accum.bench import startup
+  seconds = iter([2., 3., 4., 5.])
+  monkeypatch.setattr(startup, 'run_one', lambda name, cache, shape, tree=None: {
+    'seconds': next(seconds), 'cpu_seconds': 1., 'compilations': 11, 'plan': {}})
+  path = tmp_path / 'start.json'
+  saved = []
+  results = startup.measure_startup(['bp.BPTT', 'AccumBPTT(num_micro_batch=4)'], rounds=2, reruns=False,
+                                    save=lambda r: saved.append(json.loads(json.dumps(r))))
+  assert [len(s['bp.BPTT']['first']) + len(s['AccumBPTT(num_micro_batch=4)']['first']) for s in saved] == [1, 2, 3, 4]
+  assert results['bp.BPTT'] == {'first': [{'seconds': 2., 'cpu_seconds': 1., 'compilations': 11, 'plan': {}},
+                                          {'seconds': 5., 'cpu_seconds': 1., 'compilations': 11, 'plan': {}}],
+                                'rerun': []}
+  text = startup.startup_section(results)
+  assert '| first |' in text and '| rerun |' not in text
+  seconds = iter([2., 3.])
+  startup.main(['--rounds', '1', '--no-rerun', '--trainers', 'bp.BPTT', 'AccumBPTT(num_micro_batch=4)',
+                '--json', str(path)])
+  assert [r['seconds'] for r in json.loads(path.read_text())['bp.BPTT']['first']] == [2.]
