@@ -452,7 +452,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   shape = preset['shape']
   workloads = args.workloads or list(preset['workloads'])
   extras = {'holds': None if args.holds is None else measure_holds(workloads[0], shape._replace(batch=args.holds)),
-            'host_copy': None if args.host_copy is None else measure_host_copy(args.host_copy, args.piece_mb)}
+            'host_copy': None if args.host_copy is None else measure_host_copy(args.host_copy, args.piece_mb,
+                                                                                sample=(shape.time, shape.inputs))}
   write = functools.partial(_write, args.out, facts, budget, {k: v for k, v in extras.items() if v is not None})
   epoch, rounds = args.epoch or preset['epoch'], args.rounds or preset['rounds']
   settings = {'shape': list(shape), 'epoch': epoch, 'rounds': rounds, 'budget': budget}

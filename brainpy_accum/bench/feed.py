@@ -142,11 +142,13 @@ def _epoch_seconds(trainer: _Trainer, batches: list, overlap: Optional[bool] = N
 
 
 def _summary(recorded: Sequence[Dict[str, List[float]]], pieces: int = 1) -> Dict[str, Optional[float]]:
-  """Over the rounds' records: each of :data:`UNITS`' median (``None`` where none was recorded), and of the
-  periods and arrivals the mean, the 90th percentile and the largest; with ``pieces`` units a batch, also the
-  mean period before each batch's first unit (``period_first``: across a batch's end) and before the others."""
+  """Over the rounds' records: each of :data:`UNITS`' median (``refused``: the share of sends that found no room;
+  ``None`` where none was recorded), and of the periods and arrivals the mean, the 90th percentile and the
+  largest; with ``pieces`` units a batch, also the mean period before each batch's first unit (``period_first``:
+  across a batch's end) and before the others."""
   values = {key: [value for units in recorded for value in units[key]] for key in UNITS}
   summary = {key: statistics.median(found) if found else None for key, found in values.items()}
+  summary['refused'] = statistics.fmean(values['refused']) if values['refused'] else None  # a share, not a median
   for key in ('period', 'arrival'):
     found = np.asarray(values[key])
     summary.update({f'{key}_mean': float(found.mean()) if found.size else None,
@@ -222,15 +224,17 @@ def _ms(seconds: Optional[float]) -> str:
 
 
 def _units_text(units: dict) -> str:
-  """A unit summary (:func:`_summary`) in words, in ms."""
-  text = (f'period {_ms(units["period"])} (mean {_ms(units["period_mean"])}, 90th percentile '
-          f'{_ms(units["period_p90"])}, longest {_ms(units["period_max"])}), wait for the step before '
-          f'{_ms(units["wait"])}, send {_ms(units["send"])}, arrival {_ms(units["arrival"])} (90th percentile '
-          f'{_ms(units["arrival_p90"])}, longest {_ms(units["arrival_max"])}); sends refused for room: '
-          f'{units["refused"]:.0%}')
+  """A unit summary (:func:`_summary`) in words, in ms (``-`` for what was not recorded: no unit was sent, or a
+  result of an older bench without it)."""
+  ms = lambda key: _ms(units.get(key))  # noqa: E731
+  refused = units.get('refused')
+  text = (f'period {ms("period")} (mean {ms("period_mean")}, 90th percentile {ms("period_p90")}, longest '
+          f'{ms("period_max")}), wait for the step before {ms("wait")}, send {ms("send")}, arrival {ms("arrival")} '
+          f'(90th percentile {ms("arrival_p90")}, longest {ms("arrival_max")}); sends refused for room: '
+          + ('-' if refused is None else f'{refused:.0%}'))
   if units.get('period_first') is not None:
-    text += (f'; mean period before a batch\'s first piece {_ms(units["period_first"])}, before the others '
-             f'{_ms(units["period_rest"])}')
+    text += (f'; mean period before a batch\'s first piece {ms("period_first")}, before the others '
+             f'{ms("period_rest")}')
   return text
 
 
@@ -243,10 +247,11 @@ def feed_section(result: dict) -> str:
            f'{inputs} inputs), epochs of {epoch} batches, {len(result["epoch_s"]["device"])} rounds.', '',
            '| epoch | samples/s | / device |', '|---|---|---|']
   lines += [f'| {kind} | {value:,.0f} | {value / rate["device"]:.3f} |' for kind, value in rate.items()]
+  step = statistics.median(result['epoch_s']['device']) / epoch
   lines += ['', f'The copies beside ran at {result["copier_gb_per_s"]:.2f} GB/s; the plan {result["plans"][0]}'
-                + ('' if len(set(result['plans'])) == 1 else f', after the rounds {result["plans"][1]}') + '; a device '
-                f'epoch\'s step {_ms(statistics.median(result["epoch_s"]["device"]) / epoch)} ms. NumPy units (medians, '
-                f'ms): {_units_text(result["units"])}.']
+                + ('' if len(set(result['plans'])) == 1 else f', after the rounds {result["plans"][1]}')
+                + f'; a device epoch\'s step {_ms(step)} ms. NumPy units (medians, ms): '
+                + f'{_units_text(result["units"])}.']
   stream = result.get('stream')
   if stream:
     seconds = statistics.median(stream['epoch_s'])

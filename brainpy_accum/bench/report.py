@@ -467,10 +467,15 @@ compilations for training (the kept one is the step's own compilation), trial st
 the first-batch check, the steps' compilations outside planning, and the runs with the rest (transfers, the loop);
 "beside" is the check compiling on its own thread. AccumBPTT's first epoch is set against bp.BPTT's at the same
 batch, or, where bp.BPTT does not fit, at its largest batch that does (marked `*`). `--host-copy 4 8 16` measures,
-in plain JAX, a piece's copy to the device out of host arrays of those sizes (GB): directly, from 4 or 8
-threads (8: fit's way), staged in a reused or a fresh host buffer, and through JAX's `pinned_host` memory, from
-slices written just before, written once before any copy (a batch made before training: the feed's case) and
-pages never touched since the array was made (runs before 2026-12-07 measured the first and the last only).
+in plain JAX, a piece's copy to the device out of host arrays of those sizes (GB): directly (one copy: fit's
+way since 01c77a9; 8 threads before it), from 4 or 8 threads, staged in a reused or a fresh host buffer, and
+through JAX's `pinned_host` memory, from slices written just before, written once before any copy (a batch made
+before training: the feed's case) and pages never touched since the array was made (runs before 2026-12-07
+measured the first and the last only). The arrays are batches of the network's samples (T x inputs) and a piece
+is whole samples, as fit's are. Runs up to 2026-12-07 copied slices of flat arrays: one thread moved 4.2-4.3
+GB/s there, against 9.8 GB/s for the feed's own copies of (2048, 500, 128) pieces back to back out of one 512 MiB
+array (bench.feed, the same day); which of the two a piece of the feed's shape out of a large array gets is for
+the next run to say.
 
 The ratios against bp.BPTT's best speed on device batches are the issue's measure. `--holds BATCH` also trains
 one batch after planning it with 60% and 30% of the device held by an array. FLOP/s count the matmuls:

@@ -233,7 +233,8 @@ def startup_section(results: dict, load: str = '', targets: Dict[str, tuple] = T
         verdicts.append(f'- {name}, {kind}: {wall:.2f} x bp.BPTT (target <= {target}): '
                         f'{"met" if wall <= target else "**missed**"}')
   lines += _phase_lines(results)
-  plans = {name: runs['first'][0]['plan'] for name, runs in results.items() if runs['first'][0].get('plan')}
+  plans = {name: runs['first'][0]['plan'] for name, runs in results.items()
+           if runs['first'] and runs['first'][0].get('plan')}
   if plans:
     lines += ['', 'Plans chosen: ' + '; '.join(f'{name}: {plan}' for name, plan in plans.items())]
   lines += [''] + verdicts
@@ -243,8 +244,10 @@ def startup_section(results: dict, load: str = '', targets: Dict[str, tuple] = T
 
 
 def _write_json(path: str, results: dict) -> None:
-  with open(path, 'w') as f:
+  """``results`` to ``path`` whole or not at all (a process killed while writing leaves the file before)."""
+  with open(path + '.part', 'w') as f:
     json.dump(results, f, indent=1)
+  os.replace(path + '.part', path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

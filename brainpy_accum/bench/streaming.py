@@ -93,8 +93,8 @@ def streaming_section(workload: str = 'rnn', shape: Shape = SHAPE, budget: int =
 
 
 # How a piece is copied out of a host array (:func:`measure_host_copy`): (name, staging, threads)
-COPY_WAYS = (('direct, one thread', None, 1), ('direct, 4 threads', None, 4),
-             ('direct, 8 threads (fit\'s way)', None, 8),
+COPY_WAYS = (('direct, one thread (fit\'s way)', None, 1), ('direct, 4 threads', None, 4),
+             ('direct, 8 threads', None, 8),
              ('staged in a reused host buffer', 'reused', 1), ('staged in a fresh host buffer', 'fresh', 1),
              ('pinned host buffer, then the device', 'pinned', 1))
 
@@ -119,43 +119,46 @@ def _copy_piece(piece: np.ndarray, staging: Optional[str], threads: int, reused:
 
 
 def measure_host_copy(host_gb: Sequence[float] = (4, 8, 16), piece_mb: float = 512, repeats: int = 5,
-                      quiet: bool = False) -> List[dict]:
-  """Plain JAX: a piece of ``piece_mb`` MB copied to the default device out of a float32 host array of each of
-  ``host_gb`` GB, in each way of :data:`COPY_WAYS`, from slices of three kinds: untouched (each way copies out
+                      quiet: bool = False, sample: Sequence[int] = (500, 128)) -> List[dict]:
+  """Plain JAX: a piece of about ``piece_mb`` MB copied to the default device out of a float32 host array of each
+  of ``host_gb`` GB, in each way of :data:`COPY_WAYS`, from slices of three kinds: untouched (each way copies out
   of an array of its own never written since it was made: the copy faults its pages in), written earlier (the
   array written once, before any of these copies, as a batch made before training is: the feed's case) and
-  touched (written just before the copy). Each copy takes the array's next slice, the ways of a kind one after
-  another, again from the first once all were copied (``distinct_slices`` in a row: how many different slices
-  its copies read; an array of fewer slices than a kind's copies has some read again); the median of
-  ``repeats`` copies. A row per (host size, way, slices): ``seconds`` and ``gb_per_s`` (or ``error``), each
-  also printed unless ``quiet``.
+  touched (written just before the copy). The arrays are batches of samples of shape ``sample`` (the bench's
+  spiking network's inputs: T=500, 128 inputs; a TPU lays out a multi-dimensional array in tiles, so a flat
+  array's copy is another measurement) and a piece is whole samples, as ``fit``'s pieces are. Each copy takes
+  the array's next slice, the ways of a kind one after another, again from the first once all were copied
+  (``distinct_slices`` in a row: how many different slices its copies read; an array of fewer slices than a
+  kind's copies has some read again); the median of ``repeats`` copies. A row per (host size, way, slices):
+  ``seconds`` and ``gb_per_s`` (or ``error``), each also printed unless ``quiet``.
 
   Examples
   --------
-  >>> rows = measure_host_copy(host_gb=(0.0005,), piece_mb=0.05, repeats=1, quiet=True)
-  >>> sorted({row['slices'] for row in rows}), all(row['gb_per_s'] > 0 for row in rows)
-  (['touched', 'untouched', 'written earlier'], True)
+  >>> rows = measure_host_copy(host_gb=(0.0005,), piece_mb=0.05, repeats=1, quiet=True, sample=(4, 8))
+  >>> sorted({row['slices'] for row in rows}), all(row['gb_per_s'] > 0 for row in rows), rows[0]['piece_bytes']
+  (['touched', 'untouched', 'written earlier'], True, 52352)
   """
-  device, rows = jax.devices()[0], []
+  device, rows, per_sample = jax.devices()[0], [], int(np.prod(sample))
   for gb in host_gb:
-    elements = int(gb * 2 ** 30) // 4
-    size = min(int(piece_mb * 2 ** 20) // 4, elements // 2)
-    reused = np.empty((size,), np.float32)
-    host = np.ones((elements,), np.float32)  # written once, before any copy (a batch made before training)
-    starts = range(0, elements - size + 1, size)
+    samples = int(gb * 2 ** 30) // (4 * per_sample)
+    size = max(1, min(int(piece_mb * 2 ** 20) // (4 * per_sample), samples // 2))
+    reused = np.empty((size, *sample), np.float32)
+    host = np.ones((samples, *sample), np.float32)  # written once, before any copy (a batch made before training)
+    starts = range(0, samples - size + 1, size)
     for slices in ('untouched', 'written earlier', 'touched'):
       taken = itertools.cycle(starts)  # the ways of a kind take the array's slices in turn, one after another
       for name, staging, threads in COPY_WAYS:
         source = host
         if slices == 'untouched':  # each way its own array never written (zero pages, mapped when read), from its start
-          source, taken = np.zeros((elements,), np.float32), itertools.cycle(starts)
+          source, taken = np.zeros((samples, *sample), np.float32), itertools.cycle(starts)
         times, error = _copies(source, taken, size, repeats, (staging, threads, reused, device), slices == 'touched')
         seconds = float(np.median(times)) if times else None
-        rows.append({'host_gb': gb, 'piece_bytes': size * 4, 'way': name, 'slices': slices, 'seconds': seconds,
-                     'gb_per_s': None if seconds is None else size * 4 / seconds / 1e9, 'error': error,
-                     'distinct_slices': min(repeats, len(starts))})  # (read before by another way, where fewer)
+        nbytes = size * per_sample * 4
+        rows.append({'host_gb': gb, 'piece_bytes': nbytes, 'way': name, 'slices': slices, 'seconds': seconds,
+                     'gb_per_s': None if seconds is None else nbytes / seconds / 1e9, 'error': error,
+                     'distinct_slices': min(repeats, len(starts)), 'sample': list(sample)})
         if not quiet:
-          print(f"host copy: {gb} GB array, piece {size * 4 / 2 ** 20:.0f} MiB, {slices}, {name}: "
+          print(f"host copy: {gb} GB array, piece {nbytes / 2 ** 20:.0f} MiB, {slices}, {name}: "
                 + (error or f"{seconds * 1e3:.1f} ms, {rows[-1]['gb_per_s']:.2f} GB/s"), flush=True)
         del source
     del host, reused
