@@ -12,6 +12,7 @@ from brainpy_accum.bench import __main__ as bench_main
 from brainpy_accum.bench import accelerator as device
 from brainpy_accum.bench import report as device_report
 from brainpy_accum.bench import streaming
+from brainpy_accum.bench.workloads import make_batch
 from brainpy_accum.trainer._feed import Sender, overlapping
 
 REFUSAL = ('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 17.38G '
@@ -196,3 +197,21 @@ def test_feed_timeline_records_each_dispatched_unit():
       sender.send((np.ones((2, 3), np.float32),))
   assert len(units['wait']) == 4 and len(units['send']) == 4 and len(units['period']) == 3
   assert units['refused'] == [0., 0., 0., 0.] and (Sender.dispatched, Sender.send) == originals  # put back
+
+
+@pytest.mark.long  # about 8 s: README suite time
+def test_warm_up_leaves_each_first_epoch_its_own_compilations():
+  """The first fits at a batch size start after a throwaway model of the workload was built and reset there: the
+  trainer measured first compiles what a second one of its kind compiles, no more (bp.BPTT measured first held
+  the process's first programs of the model: 22 compilations against AccumBPTT's 8 on the TPU v5e)."""
+  from brainpy_accum.diagnostics._compiles import count_compilations
+  shape = device.QUICK['shape']._replace(batch=23, time=5)  # a shape no other test compiles
+  host = [make_batch(shape, workload='snn_ce')] * 2
+  with count_compilations() as warm_up:
+    device._warm_up('snn_ce', shape)
+  counts = []
+  for _ in range(2):
+    row = {}
+    device._first_epoch(lambda: device._Trainer('bp.BPTT', 'snn_ce', shape, None), host, row)
+    counts.append(row['first_fit_phases']['total']['compilations'])
+  assert warm_up() > 0 and counts[0] == counts[1]
