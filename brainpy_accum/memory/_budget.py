@@ -9,10 +9,9 @@ whose compiled step fits the budget. The memory of a compiled step is
 then compiled as training runs it, and must fit by that compilation's measure too (:func:`fewest_fitting`).
 """
 
-import contextlib
 import math
 import re
-from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import brainpy.math as bm
 import jax
@@ -20,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..core._cut import is_int, plan_micro_batches
+from ._switch import DeviceSwitch
 
 __all__ = ['parse_memory', 'format_memory', 'compiled_step_bytes', 'candidate_micro_batch_sizes', 'state_bytes',
            'largest_fitting', 'choose_micro_batch_size', 'fewest_fitting', 'StepMemory', 'PlannedStep', 'memory_parts',
@@ -328,7 +328,7 @@ def choose_micro_batch_size(batch_size: int, budget: int, measure: Callable[[int
   return found
 
 
-_WHOLE_FIRST: List[Optional[bool]] = [None]
+_WHOLE_FIRST = DeviceSwitch(lambda: jax.default_backend() == 'tpu')
 
 
 def compiles_whole_first() -> bool:
@@ -338,11 +338,10 @@ def compiles_whole_first() -> bool:
   at buffer assignment, as early as a quick probe measures it. A CPU or GPU compiles a program that does not
   fit to the end, which costs more than the quick probe (on the 2-core CPU: 1.07 s against 0.64 s at batch
   256 of the start-up bench's rate RNN)."""
-  return jax.default_backend() == 'tpu' if _WHOLE_FIRST[0] is None else _WHOLE_FIRST[0]
+  return _WHOLE_FIRST()
 
 
-@contextlib.contextmanager
-def whole_first(enabled: Optional[bool]):
+def whole_first(enabled: Optional[bool]) -> ContextManager[None]:
   """Within the ``with``, the planner compiles a batch in one micro-batch for training first (``True``, also on
   a CPU: for the tests), or probes it quickly (``False``); ``None``: by the device (:func:`compiles_whole_first`).
 
@@ -353,11 +352,7 @@ def whole_first(enabled: Optional[bool]):
   ...   compiles_whole_first()
   True
   """
-  before, _WHOLE_FIRST[0] = _WHOLE_FIRST[0], enabled
-  try:
-    yield
-  finally:
-    _WHOLE_FIRST[0] = before
+  return _WHOLE_FIRST.set(enabled)
 
 
 def first_probe_trains(compilers, via_window: bool = False) -> bool:

@@ -34,19 +34,19 @@ goes ahead: the step places the batch's shares itself.
 """
 
 import collections
-import contextlib
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, ContextManager, Deque, Dict, Iterable, Iterator, NamedTuple, Optional
 
 import jax
 import numpy as np
 
 from ..core._batch import is_array
 from ..memory._device import device_memory
+from ..memory._switch import DeviceSwitch
 from ._window import with_last_flag
 
 __all__ = ['Feed', 'Fed', 'Sender', 'on_device', 'overlapping', 'prefetch_bytes', 'sends_ahead']
 
-_OVERLAP = [None]  # None: by the device (on an accelerator); :func:`overlapping` sets it for the tests and benchmark
+_OVERLAP = DeviceSwitch(lambda: jax.default_backend() != 'cpu')  # :func:`overlapping` sets it for tests and benches
 # Of the device's limit, left free beside a unit sent ahead (allocations near a full device stall on a TPU).
 ROOM_MARGIN = 0.02
 
@@ -54,11 +54,10 @@ ROOM_MARGIN = 0.02
 def sends_ahead() -> bool:
   """Whether ``fit`` sends data ahead: as :func:`overlapping` says, else where the default device is an
   accelerator (not on a CPU)."""
-  return jax.default_backend() != 'cpu' if _OVERLAP[0] is None else _OVERLAP[0]
+  return _OVERLAP()
 
 
-@contextlib.contextmanager
-def overlapping(enabled: Optional[bool]):
+def overlapping(enabled: Optional[bool]) -> ContextManager[None]:
   """Within the ``with``, ``fit`` sends data ahead (``True``, also on a CPU, batches streamed in pieces as on an
   accelerator) or hands each batch to its step (``False``); ``None``: by the device (the default). For the tests,
   which run on a CPU, and for the benchmark's comparisons.
@@ -70,11 +69,7 @@ def overlapping(enabled: Optional[bool]):
   ...   Sender().enabled
   True
   """
-  before, _OVERLAP[0] = _OVERLAP[0], None if enabled is None else bool(enabled)
-  try:
-    yield
-  finally:
-    _OVERLAP[0] = before
+  return _OVERLAP.set(enabled)
 
 
 def _leaves(batch):

@@ -9,9 +9,11 @@ from typing import ContextManager, Optional
 
 import jax
 
+from ..memory._switch import DeviceSwitch
+
 __all__ = ['NO_CHECK', 'FitCheck', 'PendingCheck', 'before_first_step', 'starts_before_first_step']
 
-_BEFORE = [None]  # None: by the device; before_first_step() sets it for the tests
+_BEFORE = DeviceSwitch(lambda: jax.default_backend() != 'cpu')  # before_first_step() sets it for the tests
 
 
 def starts_before_first_step() -> bool:
@@ -20,11 +22,10 @@ def starts_before_first_step() -> bool:
   to spare while the device computes (on the chip, the start-up bench's fixed plan of 4 micro-batches waited
   1.67 s of a 4.13 s first epoch for a check started after its first step); not on a CPU, where XLA's
   compilation of the step already takes every core (two attempts there gained nothing)."""
-  return jax.default_backend() != 'cpu' if _BEFORE[0] is None else _BEFORE[0]
+  return _BEFORE()
 
 
-@contextlib.contextmanager
-def before_first_step(enabled: Optional[bool]):
+def before_first_step(enabled: Optional[bool]) -> ContextManager[None]:
   """Within the ``with``, a check made at the first step starts before it (``True``, also on a CPU: for the tests)
   or after it (``False``); ``None``: by the device (:func:`starts_before_first_step`).
 
@@ -34,11 +35,7 @@ def before_first_step(enabled: Optional[bool]):
   ...   starts_before_first_step()
   True
   """
-  before, _BEFORE[0] = _BEFORE[0], enabled
-  try:
-    yield
-  finally:
-    _BEFORE[0] = before
+  return _BEFORE.set(enabled)
 
 
 class PendingCheck:
