@@ -256,6 +256,31 @@ def test_at_most_one_batch_is_on_its_way_beside_the_running_step(monkeypatch):
   assert done == [True] * 5
 
 
+def test_pieces_of_a_streamed_batch_leave_the_device_once_their_steps_are_done(monkeypatch):
+  """A batch streamed in pieces: when a piece is sent, no copy sent before it is still held but the running step's
+  (the feed used to keep every piece's copy until the batch's end, so that on a TPU v5e the 13th piece of a batch
+  of 16 found no room and was copied with its step, 2026-12-07), also across a batch's end."""
+  held, alive_at_send = [], []
+
+  def send(data):
+    alive_at_send.append(sum(ref() is not None for ref in held))
+    copy = on_device(data)
+    held.append(weakref.ref(copy[0]))
+    return copy
+
+  monkeypatch.setattr(_feed, 'on_device', send)
+  batches = [(np.full((8, 3), b, np.float32), np.zeros(8, np.float32)) for b in range(3)]
+  pieces = lambda x, y: [(i, 2, lambda i=i: (x[i:i + 2], y[i:i + 2])) for i in range(0, 8, 2)]
+  feed, sums = Feed(batches, Sender(), units=pieces), []
+  for fed in feed:
+    for i, (_, _, piece) in enumerate(pieces(*fed.batch)):
+      x, _ = fed.sent.pop(i, None) or piece()
+      sums.append(jnp.sum(x))  # the piece's step, dispatched
+      feed.dispatched(sums[-1], i, 4)
+  assert len(alive_at_send) == 11 and max(alive_at_send) == 1  # the running piece's copy, none before it
+  assert [float(s) for s in sums] == [6. * b for b in range(3) for _ in range(4)]
+
+
 @pytest.mark.parametrize('backend', ['cpu', 'tpu'])
 def test_sending_waits_for_the_step_before_the_running_one_only(monkeypatch, backend):
   """``Sender.send`` after step k's dispatch waits for step k - 1 (its data then leaves the device), never for
