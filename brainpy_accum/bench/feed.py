@@ -13,8 +13,8 @@ batch that runs whole on the device) this times, in the same rounds:
 - ``numpy, sent ahead``: the epoch ``fit`` gives a user, with each unit's time in the loop's two waits: for the
   step before to end (``wait``) and in sending the next unit (``send``: the host's part of starting the copy),
   the time between dispatches (``period``), how long each copy took to arrive (``arrival``: from its send until
-  its arrays are ready on the device, timed on a thread of its own) and how many sends found no room on the
-  device (the step then copies its own data).
+  its arrays are ready on the device, timed on a thread of its own), how many sends found no room on the device
+  (the step then copies its own data) and the device's memory free before each send (``free``).
 
 ``--stream B`` adds the NumPy epoch of a batch streamed in pieces (its units are pieces), measured after the first
 part's arrays are freed, with the periods of each batch's first piece apart from the others'. Prints a markdown
@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from ..memory import parse_memory
+from ..memory._device import device_memory
 from ..trainer import _feed
 from .accelerator import ACCELERATOR, QUICK, _Trainer
 from .workloads import Shape, make_batch
@@ -41,7 +42,7 @@ from .workloads import Shape, make_batch
 __all__ = ['feed_timeline', 'measure_feed', 'feed_section', 'main']
 
 WORKLOAD = 'snn_ce'
-UNITS = ('wait', 'send', 'period', 'arrival', 'refused')  # what feed_timeline records of each unit
+UNITS = ('wait', 'send', 'period', 'arrival', 'refused', 'free')  # what feed_timeline records of each unit
 
 
 @contextlib.contextmanager
@@ -49,7 +50,8 @@ def feed_timeline():
   """Within the ``with``, every unit ``fit`` dispatches is recorded: ``{'wait': [...], 'send': [...], 'period':
   [...], 'arrival': [...], 'refused': [...]}``, in seconds: the time in waiting for the step before, in sending the
   next unit, between dispatches, and from each send until the copy is ready on the device (in the order the copies
-  arrive; waited for on leaving the ``with``); ``refused``: 1.0 for a send that found no room, else 0.0.
+  arrive; waited for on leaving the ``with``); ``refused``: 1.0 for a send that found no room, else 0.0; ``free``:
+  the device's bytes free for it before each send (none recorded where the device reports no memory: a CPU).
 
   Examples
   --------
@@ -79,6 +81,9 @@ def feed_timeline():
     units['arrival'].append(time.perf_counter() - start)
 
   def timed_send(self, data):
+    memory = device_memory() if self.enabled else None
+    if memory is not None:
+      units['free'].append(float(memory.limit - memory.in_use - memory.reserved))
     start = time.perf_counter()
     sent = send(self, data)
     units['send'].append(time.perf_counter() - start)
@@ -149,6 +154,7 @@ def _summary(recorded: Sequence[Dict[str, List[float]]], pieces: int = 1) -> Dic
   values = {key: [value for units in recorded for value in units[key]] for key in UNITS}
   summary = {key: statistics.median(found) if found else None for key, found in values.items()}
   summary['refused'] = statistics.fmean(values['refused']) if values['refused'] else None  # a share, not a median
+  summary['free_min'] = min(values['free']) if values['free'] else None
   for key in ('period', 'arrival'):
     found = np.asarray(values[key])
     summary.update({f'{key}_mean': float(found.mean()) if found.size else None,
@@ -232,6 +238,8 @@ def _units_text(units: dict) -> str:
           f'{ms("period_max")}), wait for the step before {ms("wait")}, send {ms("send")}, arrival {ms("arrival")} '
           f'(90th percentile {ms("arrival_p90")}, longest {ms("arrival_max")}); sends refused for room: '
           + ('-' if refused is None else f'{refused:.0%}'))
+  if units.get('free_min') is not None:
+    text += f'; least device memory free before a send {units["free_min"] / 2 ** 30:.2f} GiB'
   if units.get('period_first') is not None:
     text += (f'; mean period before a batch\'s first piece {ms("period_first")}, before the others '
              f'{ms("period_rest")}')

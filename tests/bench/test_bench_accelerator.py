@@ -119,9 +119,14 @@ def test_calls_of_a_subset_add_their_rows_and_reuse_the_stored_bptt_refusal(tmp_
   monkeypatch.setattr(device, 'measure_peak', lambda size=None: {'float32': 1e12, 'bfloat16': 2e12})
   for batches in (['8', '16'], ['32']):
     device.main(['--quick', '--workloads', 'rnn_ce', '--batches', *batches, '--out', str(tmp_path)])
+    if batches == ['8', '16']:  # what other benches stored in the run (bench.feed's results) stays
+      stored = json.loads((tmp_path / 'accelerator.json').read_text())
+      next(iter(stored['runs'].values()))['feed'] = [{'label': 'a feed run'}]
+      (tmp_path / 'accelerator.json').write_text(json.dumps(stored))
   assert calls == [(8, True), (16, True), (32, False)]
   _, run, rows = _rows(tmp_path)
   assert sorted({batch for _, batch, _ in rows}) == [8, 16, 32] and len(run['commands']) == 2
+  assert run['feed'] == [{'label': 'a feed run'}]
   assert rows['rnn_ce', 32, 'bp.BPTT']['error'] == device.BPTT_SKIPPED
   device.main(['--quick', '--workloads', 'rnn_ce', '--batches', '16', '--rounds', '3', '--out', str(tmp_path)])
   assert calls[-1] == (16, True)  # other settings: nothing reused
@@ -174,7 +179,9 @@ def test_feed_bench_times_device_copies_beside_and_numpy_units(tmp_path):
                                                                          if cpu else []))
   assert json.loads(path.read_text())['batch'] == 16
   assert all(len(times) == 2 for times in result['epoch_s'].values()) and len(result['epoch_s']) == 3
+  free = {key: result['units'].pop(key) for key in ('free', 'free_min')}  # (only where the device reports memory)
   assert all(value is not None and value >= 0 for value in result['units'].values())
+  assert (free['free_min'] is None) == cpu and (cpu or 0 < free['free_min'] <= free['free'])
   assert result['copier_gb_per_s'] > 0 and [len(r['wait']) for r in result['records']] == [2, 2]
   assert [len(r['arrival']) for r in result['records']] == [1, 1]  # the epoch's second batch, sent ahead
   if cpu:
@@ -187,16 +194,21 @@ def test_feed_bench_times_device_copies_beside_and_numpy_units(tmp_path):
   assert spikes['spikes'] and spikes['piece_bytes'] * 4 == result['piece_bytes']
 
 
-def test_feed_timeline_records_each_dispatched_unit():
-  from brainpy_accum.bench.feed import feed_timeline
+def test_feed_timeline_records_each_dispatched_unit(monkeypatch):
+  from brainpy_accum.bench import feed
+  from brainpy_accum.memory._device import DeviceMemory
   originals = (Sender.dispatched, Sender.send)
-  with overlapping(True), feed_timeline() as units:
+  memory = DeviceMemory(limit=2 ** 30, in_use=2 ** 20, kind='tpu', reserved=2 ** 29)  # (the room the send checks)
+  monkeypatch.setattr(feed, 'device_memory', lambda: memory)
+  with overlapping(True), feed.feed_timeline() as units:
     sender = Sender()
     for _ in range(4):
       sender.dispatched(jax.numpy.zeros(2))
       sender.send((np.ones((2, 3), np.float32),))
   assert len(units['wait']) == 4 and len(units['send']) == 4 and len(units['period']) == 3
   assert units['refused'] == [0., 0., 0., 0.] and (Sender.dispatched, Sender.send) == originals  # put back
+  assert units['free'] == [2 ** 29 - 2 ** 20] * 4 and feed._summary([units])['free_min'] == 2 ** 29 - 2 ** 20
+  assert 'least device memory free before a send 0.50 GiB' in feed._units_text(feed._summary([units]))
 
 
 @pytest.mark.long  # about 8 s: README suite time
