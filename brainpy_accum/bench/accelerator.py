@@ -434,9 +434,9 @@ def _merged(before: Optional[dict], run: dict) -> dict:
   rows = sorted(kept + run['rows'], key=lambda row: (row['workload'], row['batch']))
   commands = before.get('commands', [before['facts']['command']])
   commands += [] if commands[-1] == run['facts']['command'] else [run['facts']['command']]  # (written per batch size)
-  kept_extras = {k: before[k] for k in ('holds', 'host_copy') if k in before and k not in run}
-  return dict(run, **kept_extras, rows=rows, batches=sorted({row['batch'] for row in rows}),
-              notes=before.get('notes', []), commands=commands)
+  kept = {k: v for k, v in before.items()  # holds, host copies, bench.feed's runs (feed), notes
+          if k not in run and k not in ('rows', 'batches', 'commands')}
+  return dict(run, **kept, rows=rows, batches=sorted({row['batch'] for row in rows}), commands=commands)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
