@@ -466,10 +466,10 @@ The first epoch is also given by phase (`brainpy_accum.diagnostics._phases`): th
 compilations for training (the kept one is the step's own compilation), trial steps, other planning, the wait for
 the first-batch check, the steps' compilations outside planning, and the runs with the rest (transfers, the loop);
 "beside" is the check compiling on its own thread. AccumBPTT's first epoch is set against bp.BPTT's at the same
-batch, or, where bp.BPTT does not fit, at its largest batch that does (marked `*`). Since 2026-12-07 (after the
-figures below) a throwaway model is built and reset at each batch size before the first fits, so that the
-model's own small programs are compiled before either trainer is timed; before, bp.BPTT, timed first, held them
-for both. `--host-copy 4 8 16` measures,
+batch, or, where bp.BPTT does not fit, at its largest batch that does (marked `*`). Since 5f5b383 a throwaway
+model is built and reset at each batch size before the first fits, so that the model's own small programs are
+compiled before either trainer is timed (on the TPU v5e, the rows of 2,048, 4,096 and 32,768 of 2026-12-07 14:23
+UTC); before, bp.BPTT, timed first, held them for both. `--host-copy 4 8 16` measures,
 in plain JAX, a piece's copy to the device out of host arrays of those sizes (GB): directly (one copy: fit's
 way since 01c77a9; 8 threads before it), from 4 or 8 threads, staged in a reused or a fresh host buffer, and
 through JAX's `pinned_host` memory, from slices written just before, written once before any copy (a batch made
