@@ -186,7 +186,7 @@ class FitLoop:
     kind = self._kind(one.phase, update)
     with self.check.stepping(one.phase, batch.inputs, batch.targets):
       with self._closing(kind == 'close' and not update):
-        loss, aux = self._step(kind, batch.data, batch.size, batch)
+        loss, aux = self._step(kind, one.feed.for_step(batch.data), batch.size, batch)
       one.feed.dispatched(loss)  # the next batch on its way to the device while this step runs
     return loss, aux
 
@@ -200,7 +200,7 @@ class FitLoop:
       statistics = self._statistics_of_pieces(batch, pieces, states) is not None
       for i, (start, size, piece) in enumerate(pieces):
         host = piece()  # (NumPy views: nothing copied)
-        data = batch.sent.pop(i, None) or host
+        data = one.feed.for_step(batch.sent.pop(i, None) or host, i)
         states.enter(start, size)
         # the shorter last has its own plan, made on the host data, with the next piece sent beside it counted
         self.view.planner.plan_chunk(*host, self.options.shared_args)

@@ -281,6 +281,40 @@ def test_pieces_of_a_streamed_batch_leave_the_device_once_their_steps_are_done(m
   assert [float(s) for s in sums] == [6. * b for b in range(3) for _ in range(4)]
 
 
+@pytest.mark.parametrize('pieces', [None, 4])
+def test_data_copied_at_its_step_arrives_before_the_next_unit_is_sent(monkeypatch, pieces):
+  """A unit that nothing sent ahead (each pass's first) is copied when its step is called and has arrived before
+  the next unit is sent, so that the two copies do not share the link; every unit is copied once."""
+  events = []
+
+  class Copy(tuple):
+    def block_until_ready(self):
+      events.append(('arrived', int(self[0][0, 0])))
+      return self
+
+  def copy(data):  # (device data, a Copy, is not copied again)
+    if isinstance(data, Copy):
+      return None
+    events.append(('copied', int(data[0][0, 0])))
+    return Copy(data)
+
+  monkeypatch.setattr(_feed, 'on_device', copy)
+  monkeypatch.setattr(_feed, '_copy_at_step', copy)
+  # the rows of piece i of batch b start with 10 b + i
+  batches = [(np.repeat(np.arange(4.), 2)[:, None] + np.zeros((8, 3)) + 10 * b, np.zeros(8)) for b in range(2)]
+  units = _whole if pieces is None else (lambda x, y: [(i, 2, lambda i=i: (x[i:i + 2], y[i:i + 2]))
+                                                       for i in range(0, 8, 2)])
+  feed = Feed(batches, Sender(), units=units)
+  for fed in feed:
+    for i in ([None] if pieces is None else range(pieces)):
+      host = fed.batch if i is None else units(*fed.batch)[i][2]()
+      assert isinstance(feed.for_step(fed.sent.pop(i, None) or host, i), Copy)
+      feed.dispatched(jnp.zeros(()), i, pieces or 1)
+  copied = [unit for kind, unit in events if kind == 'copied']
+  assert copied == ([0, 1, 2, 3, 10, 11, 12, 13] if pieces else [0, 10])
+  assert events[:3] == [('copied', 0), ('arrived', 0), ('copied', copied[1])]
+
+
 @pytest.mark.parametrize('backend', ['cpu', 'tpu'])
 def test_sending_waits_for_the_step_before_the_running_one_only(monkeypatch, backend):
   """``Sender.send`` after step k's dispatch waits for step k - 1 (its data then leaves the device), never for
