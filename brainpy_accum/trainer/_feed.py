@@ -13,11 +13,11 @@ so the device holds the data of the running step and of one unit more, whatever 
 run beside the steps across batch boundaries (the next batch's first piece goes while this batch's last
 computes). A unit that nothing sent ahead (a pass's first, one refused for room) is copied when its step is
 called, and the next unit's copy starts once it has arrived (:meth:`Feed.for_step`): two copies at once share the
-link and would hold back the step that needs the first. Each NumPy array goes as one copy: on a TPU v5e NumPy epochs ran faster this way than with each
-large array copied as eight slices on threads and joined on the device (the join, a program of its own, ran
-between the steps, 2.4 ms beside each 61 ms one; 0.903 against 0.888 of device data at a batch of 2,048, 0.846
-against 0.827 streamed at 32,768, 2026-12-07), although such slices crossed the link faster (12.6 against 10.0
-GB/s).
+link and would hold back the step that needs the first. Each NumPy array goes as one copy: on a TPU v5e NumPy
+epochs ran faster this way than with each large array copied as eight slices on threads and joined on the device
+(the join, a program of its own, ran between the steps, 2.4 ms beside each 61 ms one; 0.903 against 0.888 of device
+data at a batch of 2,048, 0.846 against 0.827 streamed at 32,768, 2026-12-07), although such slices crossed the
+link faster (12.6 against 10.0 GB/s).
 
 This is for accelerators (GPU, TPU), where the copy crosses to the chip and can run beside the step. On a CPU,
 JAX's default device being the host, nothing is sent ahead by default (:func:`sends_ahead`): there a jitted step
