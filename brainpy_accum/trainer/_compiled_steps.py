@@ -1,16 +1,16 @@
 """The trainer's compiled steps: the train step of a plan, jitted for fit, compiled ahead of time for the planner.
 
 :class:`CompiledSteps` builds every step a trainer runs from one function of one batch (:meth:`~CompiledSteps.train`:
-:mod:`~brainpy_accum.trainer._step`'s sums, settled, then the update), and keeps what fit runs: the jitted
-steps (``'fit'``, ``'loss'``, ``'collect'``, ``'close'``, and a streamed batch's ``'piece'``, ``'piece-loss'``
-and ``'statistics'``) and the executables the planner compiled for a batch
-size, run instead of compiling again. It gives the planner its :class:`~brainpy_accum.memory._planner.Compilers`.
-What it computes with (the model, the loss, the plan of a batch size, the window) it receives as
-:class:`StepParts`; its options as :class:`StepOptions`.
+:mod:`~brainpy_accum.trainer._step`'s sums, settled, then the update), and keeps what fit runs: the jitted steps
+(``'fit'``, ``'loss'``, ``'collect'``, ``'close'``, and a streamed batch's ``'piece'``, ``'piece-loss'`` and
+``'statistics'``) and the executables the planner compiled for a batch size, run instead of compiling again. It gives
+the planner its :class:`~brainpy_accum.memory._planner.Compilers`. What it computes with (the model, the loss, the
+plan of a batch size, the window) it receives as :class:`StepParts`; its options as :class:`StepOptions`.
 """
 
 import contextlib
 import functools
+import threading
 import warnings
 from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Sequence, Tuple
 
@@ -64,13 +64,13 @@ class StepParts(NamedTuple):
   """What the steps compute with, handed over by the trainer.
 
   ``model``, ``optimizer``: the trained DynamicalSystem and its optimizer; ``check_batch(inputs, targets) ->
-  BatchLayout``; ``loss_and_aux(shared_args, inputs, targets)``,
-  ``forward(shared_args) -> forward(micro_args, size)``, ``loss_of(predicts, targets)``, ``weigh(micro_args,
-  size)``: the model's loss (:mod:`~brainpy_accum.trainer._model_loss`); ``tracing(plan)``: the context a plan's
-  step is traced in (its remat); ``quiet()``: tracing without per-time-step progress bars; ``window``: the
-  accumulation window (or ``None``); ``skipped``: the Variable counting skipped updates; ``jit``: the trainer's
-  jit flags by phase; ``fixed_bytes(inputs, targets)``: a lower bound of a step's fixed bytes;
-  ``note_compilations(phase, count)``: XLA compilations that count as a phase's (a kept step's are fit's).
+  BatchLayout``; ``loss_and_aux(shared_args, inputs, targets)``, ``forward(shared_args) -> forward(micro_args,
+  size)``, ``loss_of(predicts, targets)``, ``weigh(micro_args, size)``: the model's loss
+  (:mod:`~brainpy_accum.trainer._model_loss`); ``tracing(plan)``: the context a plan's step is traced in (its
+  remat); ``quiet()``: tracing without per-time-step progress bars; ``window``: the accumulation window (or
+  ``None``); ``skipped``: the Variable counting skipped updates; ``jit``: the trainer's jit flags by phase;
+  ``fixed_bytes(inputs, targets)``: a lower bound of a step's fixed bytes; ``note_compilations(phase, count)``:
+  XLA compilations that count as a phase's (a kept step's are fit's).
   """
   model: Any
   optimizer: Any
@@ -380,6 +380,26 @@ class CompiledSteps:
 
   # ------------------------------------------------------------------ compiled ahead of time
 
+  def compiling(self, kind: str, shared_args, inputs, targets) -> Optional[Callable[[], None]]:
+    """Trace the ``kind`` step here, compile it on a thread of its own while this one goes on (the check's trace),
+    and return what waits for it (the step's call then finds it compiled). ``None`` but for fit's own jitted
+    ``'fit'``, where the check cannot change the step (no metrics) and its trace succeeds (else the call raises)."""
+    step = self.step(kind)
+    if kind != 'fit' or self.options.loss_has_aux or not hasattr(step, 'lower'):
+      return None
+    try:
+      lowered = step.lower(shared_args, inputs, targets)
+    except Exception:  # noqa: BLE001 -- the step's call traces again and raises it where it always did
+      return None
+    done: list = []
+    thread = threading.Thread(target=lambda: done.append(_compiled(lowered)), name='brainpy_accum step', daemon=True)
+    thread.start()
+    def wait():
+      with phase('step compile'):
+        thread.join()
+      self.parts.note_compilations('fit', int(done == [True]))  # (else the call compiles, and counts it)
+    return wait
+
   @contextlib.contextmanager
   def for_plan(self, plan: Optional[MicroBatchPlan], batch: tuple = (), update: bool = True,
                via_window: bool = False):
@@ -459,6 +479,14 @@ class CompiledSteps:
         self.parts.note_compilations('fit', 1)
 
     return PlannedStep(step_memory(compiled), lambda: jax.block_until_ready(compiled(values, inputs, targets)), keep)
+
+
+def _compiled(lowered) -> bool:
+  """Compile ``lowered`` into JAX's caches; ``False`` on a failure (out of device memory), left to the step's call."""
+  try:
+    return lowered.compile() is not None
+  except Exception:  # noqa: BLE001 -- the call compiles again and raises it there, where it is handled
+    return False
 
 
 def _sizes_key(args) -> tuple:

@@ -5,7 +5,7 @@ and :class:`FitCheck`, which says when, so that the fit loop holds one object an
 """
 
 import contextlib
-from typing import ContextManager, Optional
+from typing import Callable, ContextManager, Optional
 
 import jax
 
@@ -122,13 +122,17 @@ class FitCheck:
       self.pending.start()
 
   @contextlib.contextmanager
-  def stepping(self, phase: str, inputs, targets, piece: Optional[ContextManager] = None):
+  def stepping(self, phase: str, inputs, targets, piece: Optional[ContextManager] = None,
+               compiling: Optional[Callable[[], Optional[Callable[[], None]]]] = None):
     """Around a training step (and whatever the loop dispatches with it): a check not pending yet is made for
     this batch and, for the first piece of a streamed batch (``piece``: the context its check is made in, the
     model state of ``inputs, targets``; ``contextlib.nullcontext()`` where they are the piece's own) or off the
     CPU where no planner compiled the step (:func:`starts_before_first_step`), started before it; after the
     step, one started before gives its warnings, else it is traced now, beside the step just dispatched. If the
-    step raises, the check is waited for without its report."""
+    step raises, the check is waited for without its report. ``compiling()``, given, traces the step and starts
+    its compilation on another thread, returning what waits for it (or ``None``): where the check starts before
+    the step, it does so first, so that the check is traced while XLA compiles the step (on the TPU v5e the
+    check's trace held a fixed plan's first step for 0.67 s of a 2.95 s first fit, 2026-12-07)."""
     if phase != 'fit':
       yield
       return
@@ -137,7 +141,10 @@ class FitCheck:
       with piece or contextlib.nullcontext():
         self.pending = self.owner.pending(self.shared_args, inputs, targets, streamed=streamed)
         if streamed or (starts_before_first_step() and not self.planner_ran):  # the step compiles at its call
+          wait = compiling() if compiling is not None and not streamed and not self.pending.started else None
           self.pending.start()
+          if wait is not None:
+            wait()
     if streamed:
       self.pending.start()
     with self.pending.around_step(report=False):

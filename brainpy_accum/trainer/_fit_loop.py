@@ -182,11 +182,11 @@ class FitLoop:
 
   def _whole(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
     """One batch's step, in one piece (cut into micro-batches inside it)."""
-    update = one.updates(batch)
-    kind = self._kind(one.phase, update)
-    with self.check.stepping(one.phase, batch.inputs, batch.targets):
-      with self._closing(kind == 'close' and not update):
-        loss, aux = self._step(kind, one.feed.for_step(batch.data), batch.size, batch)
+    kind, data = self._kind(one.phase, update := one.updates(batch)), one.feed.for_step(batch.data)
+    with self.check.stepping(one.phase, batch.inputs, batch.targets,
+                             compiling=lambda: self.view.steps.compiling(kind, self.options.shared_args, *data)), \
+         self._closing(kind == 'close' and not update):
+      loss, aux = self._step(kind, data, batch.size, batch)
       one.feed.dispatched(loss)  # the next batch on its way to the device while this step runs
     return loss, aux
 

@@ -408,6 +408,31 @@ def test_a_fixed_plans_check_starts_before_its_first_step_off_the_cpu(monkeypatc
   assert events[:2] == (['check', 'step'] if before else ['step', 'check']), events
 
 
+def test_a_fixed_plans_first_step_compiles_while_its_check_is_traced(monkeypatch):
+  """Where the check starts before the first step (off the CPU; forced here), that step is traced first and
+  compiled on a thread of its own while the check is traced; the step's call then compiles nothing, the
+  compilations counted and the training are those of the step compiled at its call, and the coupling still warns
+  once (a loss without metrics: the check cannot change the step)."""
+  from brainpy_accum.trainer import _fit_check, _fit_loop
+  calls, call, results = [], _fit_loop._call_step, {}
+
+  def counted(*args):
+    result = call(*args)
+    calls.append(result[1])  # the XLA compilations of the step's call
+    return result
+
+  monkeypatch.setattr(_fit_loop, '_call_step', counted)
+  for before in (False, True):
+    calls.clear()
+    with _fit_check.before_first_step(before), pytest.warns(UserWarning, match='couples the samples') as record:
+      trainer = _fit(batch_normalised, model='rnn')
+    assert len(_coupled(record)) == 1
+    results[before] = (params_of(trainer.target), trainer.train_losses, dict(trainer.compilations), calls[0])
+  assert results[True][3] == 0 and results[False][3] == 1  # the step compiled ahead, not at its call
+  assert results[True][2] == results[False][2]
+  assert_trees_close(results[True][:2], results[False][:2], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize('before', [False, True])
 def test_a_loss_that_fails_raises_its_own_error_alone(before):
   """An error in ``loss_fun`` is the step's to raise, as bp.BPTT's step would: the check, which traced the same
