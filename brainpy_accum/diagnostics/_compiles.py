@@ -12,7 +12,7 @@ from typing import Callable, Dict, Iterator
 
 import jax.monitoring
 
-__all__ = ['Compilations', 'QUICK_COMPILE', 'count_compilations']
+__all__ = ['Compilations', 'Compiling', 'QUICK_COMPILE', 'count_compilations']
 
 # XLA options of a compilation whose code runs once or never (the planner's memory probes, the first batch's
 # loss check): code generation unoptimised, about half the compile time on CPU; the optimised HLO, and so the
@@ -61,3 +61,39 @@ class Compilations:
   def note(self, phase: str, count: int) -> None:
     """Add ``count`` XLA compilations to ``phase`` (``'fit'`` or ``'loss'``)."""
     self.counts[phase] += count
+
+
+class Compiling:
+  """``lowered`` (a ``jax.stages.Lowered``) compiled into JAX's caches on a thread of its own, so that the thread
+  that lowered it goes on meanwhile; a later call of the same jitted function with the same arguments finds it
+  compiled. :meth:`wait` joins the thread and gives ``noted(1)`` where it compiled; a failure (out of device memory)
+  is left to that call, which compiles again and raises it where it is handled.
+
+  Examples
+  --------
+  >>> import jax, jax.numpy as jnp
+  >>> f = jax.jit(lambda x: x * 2)
+  >>> noted = []
+  >>> Compiling(f.lower(jnp.ones(3)), noted.append).wait()
+  >>> with count_compilations() as counted:
+  ...   y = f(jnp.ones(3))
+  >>> noted, counted()
+  ([1], 0)
+  """
+
+  def __init__(self, lowered, noted: Callable[[int], None]):
+    self._noted, self._compiled = noted, []
+    self._thread = threading.Thread(target=self._compile, args=(lowered,), name='brainpy_accum compile', daemon=True)
+    self._thread.start()
+
+  def _compile(self, lowered) -> None:
+    try:
+      lowered.compile()
+    except Exception:  # noqa: BLE001 -- see the class's docstring
+      return
+    self._compiled.append(1)
+
+  def wait(self) -> None:
+    """Wait for the compilation; note it where it succeeded."""
+    self._thread.join()
+    self._noted(len(self._compiled))

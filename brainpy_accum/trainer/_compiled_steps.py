@@ -10,7 +10,6 @@ plan of a batch size, the window) it receives as :class:`StepParts`; its options
 
 import contextlib
 import functools
-import threading
 import warnings
 from typing import Any, Callable, ContextManager, Dict, NamedTuple, Optional, Sequence, Tuple
 
@@ -31,7 +30,7 @@ from ..core._batch import traced_shapes
 from ..core._states import values_restored, whole_batch_variables
 from ..core._two_pass import Devices, two_pass_sums
 from ..core._written import WriteEvidence, WriteReport
-from ..diagnostics._compiles import QUICK_COMPILE
+from ..diagnostics._compiles import QUICK_COMPILE, Compiling
 from ..diagnostics._phases import phase
 from ..memory._budget import PlannedStep, StepMemory, step_memory
 from ..memory._live import temp_bytes_at_least
@@ -380,25 +379,17 @@ class CompiledSteps:
 
   # ------------------------------------------------------------------ compiled ahead of time
 
-  def compiling(self, kind: str, shared_args, inputs, targets) -> Optional[Callable[[], None]]:
-    """Trace the ``kind`` step here, compile it on a thread of its own while this one goes on (the check's trace),
-    and return what waits for it (the step's call then finds it compiled). ``None`` but for fit's own jitted
-    ``'fit'``, where the check cannot change the step (no metrics) and its trace succeeds (else the call raises)."""
+  def compiling(self, kind: str, shared_args, inputs, targets) -> Optional[Compiling]:
+    """The ``kind`` step traced here and compiled on a thread of its own while this one goes on (the check's trace);
+    its call then finds it compiled. ``None`` (nothing started) but for fit's own jitted ``'fit'`` where the check
+    cannot change the step (no metrics, whose combination it finds) and its trace succeeds (else the call raises)."""
     step = self.step(kind)
     if kind != 'fit' or self.options.loss_has_aux or not hasattr(step, 'lower'):
       return None
     try:
-      lowered = step.lower(shared_args, inputs, targets)
+      return Compiling(step.lower(shared_args, inputs, targets), functools.partial(self.parts.note_compilations, 'fit'))
     except Exception:  # noqa: BLE001 -- the step's call traces again and raises it where it always did
       return None
-    done: list = []
-    thread = threading.Thread(target=lambda: done.append(_compiled(lowered)), name='brainpy_accum step', daemon=True)
-    thread.start()
-    def wait():
-      with phase('step compile'):
-        thread.join()
-      self.parts.note_compilations('fit', int(done == [True]))  # (else the call compiles, and counts it)
-    return wait
 
   @contextlib.contextmanager
   def for_plan(self, plan: Optional[MicroBatchPlan], batch: tuple = (), update: bool = True,
@@ -479,14 +470,6 @@ class CompiledSteps:
         self.parts.note_compilations('fit', 1)
 
     return PlannedStep(step_memory(compiled), lambda: jax.block_until_ready(compiled(values, inputs, targets)), keep)
-
-
-def _compiled(lowered) -> bool:
-  """Compile ``lowered`` into JAX's caches; ``False`` on a failure (out of device memory), left to the step's call."""
-  try:
-    return lowered.compile() is not None
-  except Exception:  # noqa: BLE001 -- the call compiles again and raises it there, where it is handled
-    return False
 
 
 def _sizes_key(args) -> tuple:

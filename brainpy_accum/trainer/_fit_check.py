@@ -9,6 +9,8 @@ from typing import Callable, ContextManager, Optional
 
 import jax
 
+from ..diagnostics._compiles import Compiling
+from ..diagnostics._phases import phase as record_phase
 from ..memory._switch import DeviceSwitch
 
 __all__ = ['NO_CHECK', 'FitCheck', 'PendingCheck', 'before_first_step', 'starts_before_first_step']
@@ -122,29 +124,32 @@ class FitCheck:
       self.pending.start()
 
   @contextlib.contextmanager
-  def stepping(self, phase: str, inputs, targets, piece: Optional[ContextManager] = None,
-               compiling: Optional[Callable[[], Optional[Callable[[], None]]]] = None):
-    """Around a training step (and whatever the loop dispatches with it): a check not pending yet is made for
-    this batch and, for the first piece of a streamed batch (``piece``: the context its check is made in, the
-    model state of ``inputs, targets``; ``contextlib.nullcontext()`` where they are the piece's own) or off the
-    CPU where no planner compiled the step (:func:`starts_before_first_step`), started before it; after the
-    step, one started before gives its warnings, else it is traced now, beside the step just dispatched. If the
-    step raises, the check is waited for without its report. ``compiling()``, given, traces the step and starts
-    its compilation on another thread, returning what waits for it (or ``None``): where the check starts before
-    the step, it does so first, so that the check is traced while XLA compiles the step (on the TPU v5e the
-    check's trace held a fixed plan's first step for 0.67 s of a 2.95 s first fit, 2026-12-07)."""
+  def stepping(self, phase: str, batch: tuple, piece: Optional[ContextManager] = None,
+               compiling: Optional[Callable[[], Optional[Compiling]]] = None):
+    """Around a training step on ``batch`` (``(inputs, targets)``; and whatever the loop dispatches with it): a
+    check not pending yet is made for this batch and, for the first piece of a streamed batch (``piece``: the
+    context its check is made in, the model state of ``batch``; ``contextlib.nullcontext()`` where it is the
+    piece's own) or off the CPU where no planner compiled the step (:func:`starts_before_first_step`), started
+    before it; after the step, one started before gives its warnings, else it is traced now, beside the step just
+    dispatched. If the step raises, the check is waited for without its report. ``compiling()``, given, traces the
+    step and starts its compilation on another thread (or returns ``None``): where the check starts before the
+    step, that comes first, so that the check is traced while XLA compiles the step (on the TPU v5e the check's
+    trace held a fixed plan's first step for 0.67 s of a 2.95 s first fit, 2026-12-07)."""
     if phase != 'fit':
       yield
       return
     streamed = piece is not None
     if self.pending is NO_CHECK:
       with piece or contextlib.nullcontext():
-        self.pending = self.owner.pending(self.shared_args, inputs, targets, streamed=streamed)
+        self.pending = self.owner.pending(self.shared_args, *batch, streamed=streamed)
         if streamed or (starts_before_first_step() and not self.planner_ran):  # the step compiles at its call
-          wait = compiling() if compiling is not None and not streamed and not self.pending.started else None
-          self.pending.start()
-          if wait is not None:
-            wait()
+          ahead = compiling() if compiling is not None and not streamed and not self.pending.started else None
+          try:
+            self.pending.start()
+          finally:  # (no thread outlives fit)
+            if ahead is not None:
+              with record_phase('step compile'):
+                ahead.wait()
     if streamed:
       self.pending.start()
     with self.pending.around_step(report=False):

@@ -183,7 +183,7 @@ class FitLoop:
   def _whole(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
     """One batch's step, in one piece (cut into micro-batches inside it)."""
     kind, data = self._kind(one.phase, update := one.updates(batch)), one.feed.for_step(batch.data)
-    with self.check.stepping(one.phase, batch.inputs, batch.targets,
+    with self.check.stepping(one.phase, (batch.inputs, batch.targets),
                              compiling=lambda: self.view.steps.compiling(kind, self.options.shared_args, *data)), \
          self._closing(kind == 'close' and not update):
       loss, aux = self._step(kind, data, batch.size, batch)
@@ -245,9 +245,9 @@ class FitLoop:
     the pieces combine like micro-batches, so samples the step trains in one piece are still checked cut in two.
     A piece of one sample: the check takes the batch's first two samples (and their model state)."""
     if size >= 2:
-      return self.check.stepping('fit', *data, piece=contextlib.nullcontext())
+      return self.check.stepping('fit', data, piece=contextlib.nullcontext())
     first_two = host_pieces(batch.inputs, batch.targets, batch.layout, 2)[0][2]()
-    return self.check.stepping('fit', *first_two, piece=states.first_samples(2))
+    return self.check.stepping('fit', first_two, piece=states.first_samples(2))
 
   def _step(self, kind: str, data: tuple, size: int, batch: Batch) -> Tuple[Any, dict]:
     """Run one compiled step on ``data`` (``size`` samples of ``batch``; again, cut finer, after running out of
