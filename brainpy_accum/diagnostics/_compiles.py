@@ -82,7 +82,7 @@ class Compiling:
   """
 
   def __init__(self, lowered, noted: Callable[[int], None]):
-    self._noted, self._compiled = noted, []
+    self._noted, self._compiled = noted, False
     self._thread = threading.Thread(target=self._compile, args=(lowered,), name='brainpy_accum compile', daemon=True)
     self._thread.start()
 
@@ -91,9 +91,9 @@ class Compiling:
       lowered.compile()
     except Exception:  # noqa: BLE001 -- see the class's docstring
       return
-    self._compiled.append(1)
+    self._compiled = True
 
   def wait(self) -> None:
     """Wait for the compilation; note it where it succeeded."""
     self._thread.join()
-    self._noted(len(self._compiled))
+    self._noted(int(self._compiled))
