@@ -189,8 +189,8 @@ def step_memory(compiled) -> StepMemory:
   return StepMemory(fixed + stats.temp_size_in_bytes, fixed)
 
 
-def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], Union[int, StepMemory]], *,
-                    measure_pick: Optional[Callable[[int], Union[int, StepMemory]]] = None,
+def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], Union[int, StepMemory, None]], *,
+                    measure_pick: Optional[Callable[[int], Union[int, StepMemory, None]]] = None,
                     guess: Optional[Callable[[int], float]] = None) -> Optional[Tuple[int, int]]:
   """``(size, bytes)`` of the largest of ``sizes`` (largest first) whose ``measure`` fits ``budget``, or ``None``.
 
@@ -217,6 +217,9 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
   measurements (the same step at another chunk of a streamed batch): the first probe is then the largest size
   it predicts to fit, measured as a likely answer, instead of the largest size. A guess only orders the
   probes: the answer is measured as without it, and a wrong guess costs a probe, not a wrong answer.
+  ``measure(size)`` may give ``None``: known not to fit, with no figure (say its data alone exceed the budget,
+  by arithmetic). Such a size bounds the search but is no point of a line (a made-up figure just over the budget
+  would draw the line far below the step's memory, and each probe it predicts would fail).
 
   Examples
   --------
@@ -229,6 +232,9 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
   >>> probed = []
   >>> largest_fitting(sizes, 500, lambda s: probed.append(s) or 100 + 5 * s, guess=lambda s: 100 + 5 * s), probed
   ((80, 500), [80, 81])
+  >>> probed = []  # sizes over 90 known not to fit by arithmetic, without a figure
+  >>> largest_fitting(sizes, 500, lambda s: probed.append(s) or (None if s > 90 else 100 + 5 * s)), len(probed) < 7
+  ((80, 500), True)
   """
   measured = {}  # size -> total bytes
   fixed = 0
@@ -240,9 +246,11 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
   while True:
     likely_answer = predicted is not None and predicted <= budget and measure_pick is not None
     measure_now = measure_pick if likely_answer else measure
-    total, fixed_part = memory_parts(measure_now(sizes[index]))
-    measured[sizes[index]], fixed = total, max(fixed, fixed_part)
-    fits = total <= budget
+    value = measure_now(sizes[index])
+    fits = value is not None and memory_parts(value)[0] <= budget
+    if value is not None:  # (None: known not to fit, with no figure: no point of any line)
+      total, fixed_part = memory_parts(value)
+      measured[sizes[index]], fixed = total, max(fixed, fixed_part)
     contradicted = contradicted + 1 if predicted is not None and (predicted <= budget) != fits else 0
     if fits:
       good = index
@@ -270,9 +278,11 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
 
 def _line(measured: dict, fixed: int, budget: int) -> Optional[Callable[[int], float]]:
   """Bytes as a line in the size through the two measurements nearest the budget in bytes (from one: through
-  the fixed bytes at size 0); ``None`` if it does not rise. The nearest, not the bracket's ends: a far end
+  the fixed bytes at size 0); ``None`` if it does not rise or nothing is measured. The nearest, not the bracket's ends: a far end
   (the whole batch) would pull the line off where memory bends, and the search would creep."""
   points = sorted(measured, key=lambda size: abs(measured[size] - budget))[:2]
+  if not points:
+    return None
   if len(points) == 1:
     (s1, m1), (s0, m0) = (points[0], measured[points[0]]), (0, fixed)
   else:

@@ -170,7 +170,7 @@ class Streaming:
     the search starts, in place of half the batch (a guess only orders the probes: the piece chosen is measured
     as without it)."""
     batch_size, budget = request.layout.batch_size, self.budget.bytes()
-    measured: Dict[int, int] = {}
+    measured: Dict[int, Optional[int]] = {}
     # where the planner compiles a step for training first (a TPU), each probe is that compilation, and the
     # chosen piece's is the one its plan keeps (a quick probe would be a second compilation of the same step)
     trained = first_probe_trains(request.compilers, True)
@@ -179,8 +179,8 @@ class Streaming:
       if size not in measured:
         chunk_data = search.chunk_data(size)
         plan = plan_micro_batches(size, num_micro_batch=1)._replace(remat=False if self.remat == 'auto' else None)
-        if chunk_data is None:
-          measured[size] = budget + 1
+        if chunk_data is None:  # its data alone exceed the budget: no figure (see largest_fitting)
+          measured[size] = None
         elif trained:
           planned = search.compilers.trial(plan, request.shared_args, *chunk_data, True)
           self._whole_compiled[size, True] = (plan, planned)
