@@ -247,10 +247,12 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
     likely_answer = predicted is not None and predicted <= budget and measure_pick is not None
     measure_now = measure_pick if likely_answer else measure
     value = measure_now(sizes[index])
-    fits = value is not None and memory_parts(value)[0] <= budget
-    if value is not None:  # (None: known not to fit, with no figure: no point of any line)
+    if value is None:  # known not to fit, with no figure: no point of any line
+      fits = False
+    else:
       total, fixed_part = memory_parts(value)
       measured[sizes[index]], fixed = total, max(fixed, fixed_part)
+      fits = total <= budget
     contradicted = contradicted + 1 if predicted is not None and (predicted <= budget) != fits else 0
     if fits:
       good = index
@@ -278,8 +280,9 @@ def largest_fitting(sizes: Sequence[int], budget: int, measure: Callable[[int], 
 
 def _line(measured: dict, fixed: int, budget: int) -> Optional[Callable[[int], float]]:
   """Bytes as a line in the size through the two measurements nearest the budget in bytes (from one: through
-  the fixed bytes at size 0); ``None`` if it does not rise or nothing is measured. The nearest, not the bracket's ends: a far end
-  (the whole batch) would pull the line off where memory bends, and the search would creep."""
+  the fixed bytes at size 0); ``None`` if it does not rise or nothing is measured. The nearest, not the
+  bracket's ends: a far end (the whole batch) would pull the line off where memory bends, and the search would
+  creep."""
   points = sorted(measured, key=lambda size: abs(measured[size] - budget))[:2]
   if not points:
     return None
