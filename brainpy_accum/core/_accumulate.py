@@ -15,8 +15,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from ._batch import is_array, put_samples, take_samples
-from ._combine import (add_scaled, check_grad_reduction, check_loss_weight_fn, finish_grads, finish_values, sum_values,
-                       wide_zeros_like)
+from ._combine import (add_scaled, check_grad_reduction, check_loss_weight_fn, finish_grads, finish_values,
+                       micro_batch_weight, sum_values, wide_zeros_like)
 from ._cut import MicroBatchPlan, as_int, check_cut, is_int, plan_micro_batches
 from ._metrics import MetricPlan, join_metrics, split_metrics, stacked_partials, stitched_into
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
@@ -416,7 +416,7 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
   named = named_states(states)
   grad_ids = {id(s) for s in jax.tree_util.tree_leaves(grad_states, is_leaf=is_state)}
   tree = dict(grad_states) if isinstance(grad_states, dict) else grad_states  # as brainstate shapes the grads
-  weigh = functools.partial(_weigh, grad_reduction, loss_weight_fn)
+  weigh = functools.partial(micro_batch_weight, grad_reduction, loss_weight_fn)
   report = WriteReport({id(s): f'grad_states{jax.tree_util.keystr(path)}' for path, s in
                         jax.tree_util.tree_flatten_with_path(grad_states, is_leaf=is_state)[0]})
 
@@ -443,16 +443,6 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
     return (grads, aux) if has_aux else grads
 
   return grad_fn
-
-
-def _weigh(grad_reduction: str, loss_weight_fn: Optional[Callable], micro_args, size: int):
-  """A micro-batch's weight: its sample count (``'mean'``), ``loss_weight_fn``'s scalar, or 1 (``'sum'``)."""
-  if grad_reduction == 'sum' or loss_weight_fn is None:
-    return jnp.asarray(1 if grad_reduction == 'sum' else size, jnp.float32)
-  weight = jnp.asarray(bm.as_jax(loss_weight_fn(*micro_args)), jnp.float32)
-  if weight.shape != ():
-    raise ValueError(f'loss_weight_fn must return a scalar weight; it returned shape {weight.shape}.')
-  return weight
 
 
 def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, reduction: str, args, axes, plan: MicroBatchPlan,

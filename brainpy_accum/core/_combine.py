@@ -9,13 +9,18 @@ combined the same way, so what is reported matches what is differentiated.
 Gradients are summed in at least float32, whatever the parameters' dtype, and every weighted sum is a product
 and a sum, never a matmul: at their default precision accelerators round a float32 matmul's operands to
 bfloat16 (a TPU) or TensorFloat-32 (a GPU), which would put an error of 2e-3 into the combined losses.
+
+A micro-batch of weight 0 adds exactly nothing, whatever its values: a batch padded with samples that
+``loss_weight_fn`` weighs 0 can leave a micro-batch of padding alone, whose masked mean is ``0 / 0``. The whole
+batch's loss (what ``bp.BPTT`` trains) holds no such term, so ``0 * nan`` must not enter the sums.
 """
 
+import brainpy.math as bm
 import jax
 import jax.numpy as jnp
 
 __all__ = ['GRAD_REDUCTIONS', 'add_scaled', 'check_grad_reduction', 'check_loss_weight_fn', 'combine_values',
-           'finish_grads', 'finish_values', 'same_type', 'sum_values', 'weakly_typed', 'weighted_sum',
+           'finish_grads', 'finish_values', 'micro_batch_weight', 'same_type', 'scaled', 'sum_values', 'weakly_typed', 'weighted_sum',
            'wide_zeros_like']
 
 GRAD_REDUCTIONS = ('mean', 'sum')
@@ -39,6 +44,19 @@ def check_loss_weight_fn(loss_weight_fn, grad_reduction, call: str) -> None:
   if grad_reduction != 'mean':
     raise ValueError(f"loss_weight_fn weights a mean; it does nothing with {grad_reduction=}. "
                      f"Use grad_reduction='mean' or drop loss_weight_fn.")
+
+def micro_batch_weight(grad_reduction: str, loss_weight_fn, micro_args, size: int):
+  """A micro-batch's weight, float32: its sample count (``'mean'``), ``loss_weight_fn(*micro_args)``, or 1
+  (``'sum'``); a weight that is not one number raises a ``ValueError`` as the step is traced."""
+  if grad_reduction == 'sum' or loss_weight_fn is None:
+    return jnp.asarray(1 if grad_reduction == 'sum' else size, jnp.float32)
+  weight = jnp.asarray(bm.as_jax(loss_weight_fn(*micro_args)), jnp.float32)
+  if weight.shape != ():
+    raise ValueError(f"loss_weight_fn must return one number per (micro-)batch, the weight of its mean, such as "
+                     f"its count of valid samples or time steps (targets['mask'].sum()); it returned an array of "
+                     f"shape {weight.shape}.")
+  return weight
+
 
 try:  # keeps JAX's weak type, which a public astype() drops
   from jax._src.lax.lax import _convert_element_type
@@ -89,9 +107,21 @@ def wide_zeros_like(tree):
   return jax.tree_util.tree_map(lambda x: jnp.zeros_like(_wide(x)), tree)
 
 
+def scaled(weight, x):
+  """``weight * x``, exactly 0 where ``weight`` is 0 (also where ``x`` is not finite there).
+
+  Examples
+  --------
+  >>> import jax.numpy as jnp
+  >>> scaled(jnp.float32(0.), jnp.array([jnp.nan, 1.])), scaled(jnp.float32(2.), jnp.array([3., 1.]))
+  (Array([0., 0.], dtype=float32), Array([6., 2.], dtype=float32))
+  """
+  return weight * jnp.where(weight != 0, x, jnp.zeros_like(x))
+
+
 def add_scaled(total, weight, tree):
-  """``total + weight * tree``, leaf by leaf, in the (wide) dtype of ``total``."""
-  return jax.tree_util.tree_map(lambda t, x: t + weight * _wide(x), total, tree)
+  """``total + weight * tree``, leaf by leaf, in the (wide) dtype of ``total``; nothing where ``weight`` is 0."""
+  return jax.tree_util.tree_map(lambda t, x: t + scaled(weight, _wide(x)), total, tree)
 
 
 def finish_grads(grad_sum, total_weight, reduction: str, params=None):
@@ -105,7 +135,8 @@ def finish_grads(grad_sum, total_weight, reduction: str, params=None):
 
 
 def weighted_sum(weights, v):
-  """``sum_i weights[i] * v[i]`` over the leading axis of ``v``, in float32 whatever the matmul precision.
+  """``sum_i weights[i] * v[i]`` over the leading axis of ``v``, in float32 whatever the matmul precision; a
+  ``v[i]`` of weight 0 adds nothing (:func:`scaled`).
 
   Examples
   --------
@@ -115,7 +146,7 @@ def weighted_sum(weights, v):
   Array([ 8., 12.], dtype=float32)
   """
   v = _wide(v)
-  return jnp.sum(jnp.reshape(weights, weights.shape + (1,) * (v.ndim - 1)) * v, axis=0)
+  return jnp.sum(scaled(jnp.reshape(weights, weights.shape + (1,) * (v.ndim - 1)), v), axis=0)
 
 
 def sum_values(values, weights, reduction: str):

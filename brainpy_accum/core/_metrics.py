@@ -461,7 +461,7 @@ def combine_on_host(results: Sequence[dict], weights: Sequence[float], counts: S
       out.append(_flat(np.concatenate([r for r, _ in rows], axis=rows[0][1]), rule))
     elif rule.reduction == 'mean':
       w = np.asarray(weights if mean_by_weight else counts, np.float64)
-      out.append(np.asarray(sum(wi * v.astype(np.float64) for wi, v in zip(w, values)) / w.sum(), dtype))
+      out.append(np.asarray(sum(wi * v.astype(np.float64) for wi, v in zip(w, values) if wi != 0) / w.sum(), dtype))
     elif rule.reduction == 'sum':
       out.append(np.asarray(sum(v.astype(np.float64) if np.issubdtype(dtype, np.floating) else v for v in values),
                             dtype))

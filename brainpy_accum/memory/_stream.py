@@ -186,16 +186,17 @@ def combine(results: Sequence[Tuple[Any, dict]], weights: Optional[Sequence[floa
   metrics concatenated; ``counts``: the chunks' sample counts)."""
   if reduction == 'sum':
     scale = [1.] * len(results)
-  else:
+  else:  # (a chunk of weight 0 adds nothing, as a micro-batch: see core/_combine.py; all of weight 0: nan)
     total = float(np.sum(weights))
-    scale = [float(w) / total for w in weights]
-  loss = sum(s * np.asarray(r[0], np.float64) for s, r in zip(scale, results))
+    scale = [float(w) / total if total else np.nan for w in weights]
+  scaled = lambda s, value: 0. if s == 0 else s * np.asarray(value, np.float64)  # noqa: E731
+  loss = sum(scaled(s, r[0]) for s, r in zip(scale, results))
   dtype = np.asarray(results[0][0]).dtype
   if metrics is not None:
     aux = combine_on_host([r[1] for r in results], weights if reduction == 'mean' else [1.] * len(results),
                           counts, metrics.rules, metrics.mean_by_weight)
     return np.asarray(loss, dtype), aux
-  aux = {k: sum(s * np.asarray(r[1][k], np.float64) for s, r in zip(scale, results)) for k in results[0][1]}
+  aux = {k: sum(scaled(s, r[1][k]) for s, r in zip(scale, results)) for k in results[0][1]}
   return np.asarray(loss, dtype), {k: np.asarray(v, np.asarray(results[0][1][k]).dtype) for k, v in aux.items()}
 
 

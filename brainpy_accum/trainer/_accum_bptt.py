@@ -197,7 +197,7 @@ class AccumBPTT(bp.BPTT):
       target_batch_axis=target_batch_axis, memory_budget=memory_budget, remat=remat, mesh=mesh,
       whole_batch_loss=whole_batch_loss, loss_weight_fn=loss_weight_fn, clip_grad_norm=clip_grad_norm,
       skip_nonfinite=skip_nonfinite, accumulate_steps=accumulate_steps, aux_reduction=aux_reduction,
-      loss_has_aux=kwargs.get('loss_has_aux', False))
+      loss_has_aux=kwargs.get('loss_has_aux', False), data_first_axis=kwargs.get('data_first_axis'))
     self.accumulate_steps = check_accumulate_steps(accumulate_steps)
     budget = Budget(memory_budget) if num_micro_batch == 'auto' else None  # a device budget: is there a device?
     super().__init__(target, loss_fun, optimizer=optimizer, **kwargs)

@@ -22,10 +22,10 @@ from ..core._metrics import check_aux_reduction
 from ..memory._budget import parse_memory
 from ..memory._device import as_fraction
 
-__all__ = ['BareBatchError', 'RemovedArgumentError', 'ReportCallbackError', 'carried_states', 'check_accumulation_args',
-           'check_fit_call',
-           'check_carried_batch', 'check_carried_sizes', 'check_data', 'check_fit_args', 'check_remat',
-           'check_trainer_args', 'check_update_args', 'check_whole_batch_loss', 'warn_batch_statistics']
+__all__ = ['BareBatchError', 'DataFirstAxisError', 'RemovedArgumentError', 'ReportCallbackError', 'carried_states',
+           'check_accumulation_args', 'check_fit_call', 'check_carried_batch', 'check_carried_sizes', 'check_data',
+           'check_fit_args', 'check_remat', 'check_trainer_args', 'check_update_args', 'check_whole_batch_loss',
+           'warn_batch_statistics']
 
 
 class RemovedArgumentError(TypeError, NoLongerSupportError):
@@ -40,12 +40,21 @@ class ReportCallbackError(TypeError, AssertionError):
   """A ``fun_after_report`` that cannot be called (BrainPy fails an ``assert``, hence ``AssertionError``)."""
 
 
+class DataFirstAxisError(ValueError, AssertionError):
+  """A ``data_first_axis`` other than ``'B'``, ``'T'`` or ``None`` (BrainPy fails an ``assert``, hence
+  ``AssertionError``)."""
+
+
 def check_trainer_args(*, num_micro_batch, micro_batch_size, grad_reduction, target_batch_axis, memory_budget,
                        remat, mesh, whole_batch_loss, loss_weight_fn, clip_grad_norm, skip_nonfinite,
-                       accumulate_steps, aux_reduction, loss_has_aux: bool):
-  """Every accumulation option of :class:`AccumBPTT`, before anything is built; returns ``num_micro_batch``
-  (``1`` where neither it nor ``micro_batch_size`` is given: bp.BPTT's whole-batch step) and the checked
-  ``aux_reduction``."""
+                       accumulate_steps, aux_reduction, loss_has_aux: bool, data_first_axis=None):
+  """Every accumulation option of :class:`AccumBPTT`, before anything is built, and BrainPy's
+  ``data_first_axis`` (which BrainPy checks with an ``assert``); returns ``num_micro_batch`` (``1`` where neither
+  it nor ``micro_batch_size`` is given: bp.BPTT's whole-batch step) and the checked ``aux_reduction``."""
+  if data_first_axis is not None and (not isinstance(data_first_axis, str) or data_first_axis not in ('B', 'T')):
+    raise DataFirstAxisError(f"{data_first_axis=} must be 'B' (data shaped (batch, time, ...)), 'T' ((time, batch, "
+                             f"...)) "
+                             f"or None (BrainPy's default: 'B' for a model in batching mode).")
   if remat == 'auto' and mesh is not None:
     raise ValueError("remat='auto' is not supported with a mesh (its trial steps run unsharded): choose remat=True "
                      "or False with mesh=..., or drop the mesh.")

@@ -12,10 +12,10 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import brainpy.math as bm
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..core._batch import is_array
+from ..core._combine import micro_batch_weight
 from ..core._cut import MicroBatchPlan
 from ..memory._remat import checkpointed_time_loop
 
@@ -122,8 +122,4 @@ class ModelLoss:
 
   def weigh(self, micro_args, size: int):
     """A micro-batch's weight: its sample count (``'mean'``), ``loss_weight_fn``'s value, or 1 (``'sum'``)."""
-    if self.grad_reduction == 'sum':
-      return jnp.ones((), jnp.float32)
-    if self.loss_weight_fn is None:
-      return jnp.asarray(size, jnp.float32)
-    return jnp.asarray(self.loss_weight_fn(*micro_args), jnp.float32)
+    return micro_batch_weight(self.grad_reduction, self.loss_weight_fn, micro_args, size)

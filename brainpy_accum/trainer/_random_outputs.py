@@ -25,7 +25,7 @@ import numpy as np
 from ..core._accumulate import MicroResult, accumulate
 from ..core._batch_stats import Statistics, applying, statistic_calls, statistic_term, statistics_pass
 from ..core._batch import is_array
-from ..core._combine import finish_values
+from ..core._combine import finish_values, scaled
 from ..core._cut import MicroBatchPlan
 from ..core._metrics import (AUX_REDUCTIONS, ORDERS, MetricPlan, default_reduction, finish_metrics, metric_name,
                              plan_from_shapes, reductions_that_fit, undeclared_leaves, with_candidates)
@@ -241,7 +241,8 @@ def _check_at_points(loss_of: Callable, weigh: Callable, candidates: Tuple[list,
       auxs.append(aux)
     if grads is None:
       return MicroResult(None, jnp.stack(losses), auxs, weight)
-    return MicroResult(split(grads, False), jnp.stack(losses), auxs, weight, [g * weight for g in split(grads, True)])
+    return MicroResult(split(grads, False), jnp.stack(losses), auxs, weight,
+                       [scaled(weight, g) for g in split(grads, True)])
 
   return micro_fn
 

@@ -92,6 +92,39 @@ def test_loss_weight_fn_gives_the_whole_batch_masked_mean(n):
   assert not np.allclose(by_count['w'], expected['w'], rtol=1e-3)  # sample counts are the wrong weights here
 
 
+def test_a_micro_batch_that_loss_weight_fn_weighs_0_adds_nothing():
+  """The last of 3 micro-batches holds padding alone (mask 0): its masked mean is 0 / 0, its gradient nan. The
+  whole batch's gradient holds no such term, and neither do the combined gradient, loss and metrics."""
+  def masked(params, x, mask, y):
+    err = jnp.sum((jnp.tanh(x @ params['w'] + params['b']) - y) ** 2, axis=-1)
+    loss = jnp.sum(mask * err) / jnp.sum(mask)
+    return loss, {'err': loss}
+
+  states = param_states()
+  x, y = data(8, 5, 3, seed=3), data(8, 5, 2, seed=4)
+  mask = jnp.asarray(np.arange(8)[:, None] < np.full((1, 5), 5), jnp.float32)  # samples 6, 7: the last cut
+  loss_fn = lambda x, mask, y: masked(values(states), x, mask, y)  # noqa: E731
+  grad_fn = micro_batched_grad(loss_fn, states, num_micro_batch=3, loss_weight_fn=lambda x, mask, y: mask.sum(),
+                               has_aux=True, return_value=True)
+  grads, loss, aux = jax.jit(grad_fn)(x, mask, y)
+  (expected_loss, expected_aux), expected = jax.value_and_grad(masked, has_aux=True)(PARAMS, x, mask, y)
+  assert_trees_close(grads, expected)
+  np.testing.assert_allclose([loss, aux['err']], [expected_loss, expected_aux['err']], rtol=1e-6)
+
+
+def test_streamed_chunks_of_weight_0_add_nothing_on_the_host():
+  """A streamed batch's chunk of padding alone (weight 0, its own loss and metric nan) adds nothing to the
+  batch's loss and weighted metrics; chunks all of weight 0 give nan, as their whole batch's 0 / 0 would."""
+  from brainpy_accum.core._metrics import MetricRule, combine_on_host
+  from brainpy_accum.memory._stream import combine
+  results = [(np.float32(2.), {'m': np.float32(4.)}), (np.float32(np.nan), {'m': np.float32(np.nan)})]
+  loss, aux = combine(results, [3., 0.], 'mean')
+  assert (loss, aux['m']) == (2., 4.)
+  assert np.isnan(combine(results, [0., 0.], 'mean')[0])
+  rule = MetricRule(None, 'mean')
+  assert combine_on_host([r[1] for r in results], [3., 0.], [3, 3], [rule], True) == {'m': 4.}
+
+
 @pytest.mark.parametrize('time_first', [False, True])
 def test_dict_and_tuple_args_with_their_own_batch_axes(time_first):
   def loss(params, inputs, y, scale):

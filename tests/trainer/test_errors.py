@@ -25,6 +25,8 @@ def make_trainer(**kwargs):
   ({'grad_reduction': 'max'}, ValueError, "grad_reduction='max' is unknown: use 'mean'"),
   ({'grad_reduction': None}, TypeError, 'grad_reduction=None'),
   ({'target_batch_axis': -1}, ValueError, 'target_batch_axis=-1'),
+  ({'data_first_axis': 'X'}, ValueError, "data_first_axis='X' must be 'B'"),
+  ({'data_first_axis': 'X'}, AssertionError, "data_first_axis='X'"),  # (BrainPy's own error is an AssertionError)
 ])
 def test_bad_constructor_arguments_are_named(kwargs, error, message):
   with pytest.raises(error, match=message):
@@ -40,6 +42,16 @@ def test_bad_constructor_arguments_are_named(kwargs, error, message):
 def test_bad_fit_arguments_are_named(fit_kwargs, error, message):
   with pytest.raises(error, match=message):
     make_trainer().fit(make_batches((4,)), **fit_kwargs)
+
+
+def test_a_weight_that_is_not_one_number_is_named_before_any_change():
+  """loss_weight_fn giving per-sample weights (shape (B,)) is refused by name as the first step is traced, not
+  by a broadcasting error deep in the sums; nothing has changed."""
+  trainer = make_trainer(loss_weight_fn=lambda inputs, targets: np.ones(len(inputs), np.float32))
+  before = params_of(trainer.target), optimizer_state(trainer)
+  with pytest.raises(ValueError, match=r'loss_weight_fn must return one number per \(micro-\)batch.*shape \(2,\)'):
+    trainer.fit(make_batches((4,)), num_epoch=1)
+  assert_trees_close((params_of(trainer.target), optimizer_state(trainer)), before, rtol=0, atol=0)
 
 
 def test_bare_xy_pair_is_rejected_as_type_error_and_as_brainpys_error():

@@ -104,6 +104,7 @@ OPTION_VALUES = {
   'target_batch_axis': [-1, 'a', 1.5],
   'whole_batch_loss': ['yes', 1, None],
   'mesh': ['mesh', 3],
+  'data_first_axis': ['X', 1],
 }
 
 

@@ -181,6 +181,35 @@ def test_masked_loss_weighted_by_valid_steps_matches_whole_batch():
   assert not all(np.allclose(p, r, rtol=1e-3) for p, r in zip(naive, ref_params))
 
 
+def _padded_batches(sizes, padding):
+  """Batches whose last ``padding[i]`` samples are padding: every step of theirs masked out."""
+  batches = []
+  for (x, y), pad in zip(make_batches(sizes), padding):
+    mask = np.ones(y.shape[:2], np.float32)
+    mask[len(x) - pad:] = 0.
+    batches.append((x, {'y': y, 'mask': mask}))
+  return batches
+
+
+@pytest.mark.parametrize('accumulate_steps', [1, 2])
+def test_a_micro_batch_of_padding_alone_adds_nothing(accumulate_steps):
+  """Batches of 8 padded with 3 samples that loss_weight_fn weighs 0, cut 3 + 3 + 2: the last micro-batch holds
+  padding alone, whose masked mean is 0 / 0. bp.BPTT's loss of the whole batch has no such term; AccumBPTT's
+  combination must not take 0 * nan either (it made every parameter nan). With accumulate_steps=2 the window's
+  second batch is all padding: its update is the first batch's."""
+  padding = (3, 3) if accumulate_steps == 1 else (3, 8)
+  batches = _padded_batches((8, 8), padding)
+  valid_steps = lambda inputs, targets: targets['mask'].sum()  # noqa: E731
+  params, trainer = train(AccumBPTT, batches, loss=masked_mse, num_micro_batch=3, loss_weight_fn=valid_steps,
+                          accumulate_steps=accumulate_steps)
+  assert all(np.isfinite(p).all() for p in params)
+  reference = batches if accumulate_steps == 1 else windows(batches, 2)
+  ref_params, ref_trainer = train(bp.BPTT, reference, loss=masked_mse)
+  assert_trees_close(params, ref_params)
+  if accumulate_steps == 1:
+    np.testing.assert_allclose(trainer.train_losses, ref_trainer.train_losses, rtol=1e-5)
+
+
 # ---------------------------------------------------------------- 6. stateful training: see test_equivalence.py
 
 # ---------------------------------------------------------------- 7. checkpoints
