@@ -426,13 +426,13 @@ class ChunkSearch:
       return None
 
   def one_sample_need(self) -> Optional[int]:
-    """What streaming one sample at a time needs (a quick probe's figure), or ``None`` if unknown."""
+    """What streaming one sample at a time needs (a quick probe's figure, measured also where the fixed bytes
+    alone exceed the budget: those are only part of it, and an error that named them as the budget to give led
+    to a second error), or ``None`` if unknown."""
     chunk_data = self._chunk_of(1)
     fixed = self.model.fixed_bytes(*chunk_data)
-    if fixed > self.budget:
-      return fixed
     try:
-      return min(memory_parts(self._probe(self._plan_of(1, 1, remat), self.shared_args, *chunk_data, True))[0]
-                 for remat in self.options)
+      return max(fixed, min(memory_parts(self._probe(self._plan_of(1, 1, remat), self.shared_args, *chunk_data,
+                                                     True))[0] for remat in self.options))
     except ValueError:
-      return None
+      return fixed if fixed > self.budget else None

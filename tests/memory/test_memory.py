@@ -1,5 +1,7 @@
 """Working memory: remat over time and the memory-budget planner, judged by XLA's compile-time analysis."""
 
+import re
+
 import brainpy as bp
 import brainpy.math as bm
 import jax
@@ -92,9 +94,12 @@ def test_planner_names_the_budget_that_would_fit():
   # figure named is what streaming one sample at a time needs)
   assert 1000 < sum(p.nbytes for p in params)
   with pytest.raises(ValueError, match=r'memory_budget=1000 B \(1000 bytes\) is too small.* Raise memory_budget to '
-                                       r'at least \d+'):
+                                       r'at least \d+') as error:
     trainer.fit([(x, y)], num_epoch=1)
   assert_trees_close(params_of(trainer.target), params, rtol=0, atol=0)
+  # the figure named is enough: it named the fixed bytes alone once (a second error then named the step's)
+  need = int(re.search(r'at least (\d+)', str(error.value)).group(1))
+  _trainer(num_micro_batch='auto', memory_budget=need).fit([(x, y)], num_epoch=1)
 
 
 @pytest.mark.parametrize('optimizer, via_window', [
