@@ -344,8 +344,9 @@ def micro_batched_grad(loss_fn: Callable, grad_states: Any, *, num_micro_batch: 
     The batch axis of every argument leaf, or one entry per argument: an int, ``None`` (not cut), or a
     pytree prefix of the argument.
   loss_weight_fn : callable, optional
-    ``loss_weight_fn(*micro_args) -> weight`` for ``'mean'``, e.g. the valid steps of a masked loss: the
-    result is the gradient of ``sum(w_i * loss_i) / sum(w_i)``.
+    ``loss_weight_fn(*micro_args) -> weight`` (one number) for ``'mean'``, e.g. the valid steps of a masked
+    loss: the result is the gradient of ``sum(w_i * loss_i) / sum(w_i)``, where a micro-batch of weight 0 adds
+    exactly nothing (padding alone, whose masked mean is ``0 / 0``).
   states : dict or list of States or of (State, axis) pairs, optional
     The states cut with the batch (a bare State: its ``batch_axis``, else 0). By default, found by tracing
     ``loss_fn`` once: brainpy Variables with a ``batch_axis``, and brainstate ShortTermStates (HiddenStates
