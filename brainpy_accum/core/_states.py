@@ -115,11 +115,19 @@ def declared_batch_axes(pairs):
 
 
 def batch_axis_of(state, batch: int, final) -> Optional[int]:
-  """The discovery rule: the axis along which micro-batches cut ``state``; ``final``: its shapes after the loss."""
+  """The discovery rule: the axis along which micro-batches cut ``state``; ``final``: its shapes after the loss.
+
+  A brainstate ``ShortTermState`` whose leaves all hold the batch on axis 0 after the loss is cut there; but one of
+  one dimension only if it is a ``HiddenState`` (made per sample): a plain ``ShortTermState`` of ``(B,)`` is as
+  likely per neuron (an adaptive threshold of 8 neurons at batch 8), as BrainPy's rule has it
+  (:func:`implicit_batch_axis`). Left whole, a write of it that depends on the samples is reported (its warning
+  names ``states=``)."""
   if isinstance(state, bm.Variable):
     return variable_batch_axis(getattr(state, 'name', type(state).__name__), state, batch)
   ends = jax.tree_util.tree_leaves(final) if isinstance(state, brainstate.ShortTermState) else []
-  return 0 if ends and all(len(x.shape) and x.shape[0] == batch for x in ends) else None
+  if not ends or not all(len(x.shape) and x.shape[0] == batch for x in ends):
+    return None
+  return 0 if isinstance(state, brainstate.HiddenState) or any(len(x.shape) > 1 for x in ends) else None
 
 
 def batch_shapes(state, axis: int, batch: int):

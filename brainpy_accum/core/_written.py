@@ -299,5 +299,6 @@ def _message(name: str, trainable: bool, holds: str) -> str:
           f'samples (they differed between micro-batches: a record of a sample, a batch statistic, a sum over '
           f'samples). After the step it holds {holds}; a whole-batch step (bp.BPTT) leaves what the whole batch '
           f'writes, the same only where the write reads the last samples alone (a record of the last sample, not '
-          f'of sample 0). If it holds one value per sample, give it a batch axis (bm.Variable(..., batch_axis=0)); '
+          f'of sample 0). If it holds one value per sample, give it a batch axis (bm.Variable(..., batch_axis=0); '
+          f'a brainstate state: micro_batched_grad(..., states=[(state, 0)])); '
           f'for a batch statistic use num_micro_batch=1, or compute it outside the training step.')

@@ -125,6 +125,36 @@ def test_streamed_chunks_of_weight_0_add_nothing_on_the_host():
   assert combine_on_host([r[1] for r in results], [3., 0.], [3, 3], [rule], True) == {'m': 4.}
 
 
+def test_a_one_dimensional_short_term_state_of_the_batch_length_is_not_cut_unasked():
+  """A ShortTermState of 8 values at batch 8: an adaptive threshold of 8 neurons, not one value per sample. It
+  was cut 4 + 4 silently, each half moved by its own micro-batch's mean activity; left whole, its write (a batch
+  statistic) is reported, as at batch 10. A HiddenState of one value per sample is cut, and exact."""
+  w = brainstate.ParamState(data(3, 8, seed=1))
+  threshold = brainstate.ShortTermState(jnp.full(8, .5))
+
+  def homeostatic(x, y):
+    h = jnp.tanh(x @ w.value)
+    threshold.value = threshold.value + 0.1 * (jnp.mean(h) - 0.2)
+    return jnp.mean((h - y) ** 2) + jnp.mean(threshold.value ** 2)
+
+  x, y = data(8, 3, seed=3), data(8, 8, seed=4)
+  with pytest.warns(UserWarning, match=r'ShortTermState\(shape=\(8,\)\) has no batch axis.*states=\[\(state, 0\)\]'):
+    micro_batched_grad(homeostatic, {'w': w}, num_micro_batch=2)(x, y)
+  assert len(set(np.asarray(threshold.value).tolist())) == 1  # one value for every neuron, as a whole batch leaves
+
+  per_sample = brainstate.HiddenState(jnp.zeros(8))
+
+  def leaky(x, y):
+    per_sample.value = 0.5 * per_sample.value + jnp.tanh(x @ w.value).sum(-1)
+    return jnp.mean((per_sample.value[:, None] - y) ** 2)
+
+  grads = micro_batched_grad(leaky, {'w': w}, num_micro_batch=2)(x, y)
+  after = per_sample.value
+  per_sample.value = jnp.zeros(8)
+  assert_trees_close(grads, brainstate.transform.grad(leaky, {'w': w})(x, y))
+  assert_trees_close(after, per_sample.value)
+
+
 @pytest.mark.parametrize('time_first', [False, True])
 def test_dict_and_tuple_args_with_their_own_batch_axes(time_first):
   def loss(params, inputs, y, scale):
