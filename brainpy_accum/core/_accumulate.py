@@ -253,6 +253,27 @@ def _micro_fn(loss_and_new, grad_states, weigh, keep):
   return micro_fn
 
 
+def _aux_checked(micro_fn, aux_like, batch: int):
+  """``micro_fn``, refusing by name (as it is traced) an ``aux`` leaf whose shape in a micro-batch is not its shape
+  in the whole batch of ``batch`` samples (``aux_like``): a per-sample leaf, which a weighted mean over
+  micro-batches would turn into another array (the average of the micro-batches' rows)."""
+
+  def checked(micro_args, size):
+    out = micro_fn(micro_args, size)
+    whole = jax.tree_util.tree_flatten_with_path(aux_like)[0]
+    for (path, like), leaf in zip(whole, jax.tree_util.tree_leaves(out.aux)):
+      if np.shape(leaf) != tuple(like.shape):
+        raise ValueError(f'micro_batched_grad combines aux as weighted means over the micro-batches, so each aux '
+                         f'leaf must keep its shape whatever the batch size (a mean, a count); aux'
+                         f'{jax.tree_util.keystr(path)} has shape {np.shape(leaf)} in a micro-batch of {size} samples '
+                         f'and {tuple(like.shape)} in the batch of {batch}. Reduce it over the samples inside loss_fn '
+                         f'(its mean, say), or train with AccumBPTT(loss_has_aux=True), which puts per-sample '
+                         f'metrics together.')
+    return out
+
+  return checked
+
+
 def _recording(loss_and_new, touched: list):
   """``loss_and_new`` that also lists in ``touched`` the States it reads or writes while it is traced."""
 
@@ -452,11 +473,12 @@ def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, reduction: str
   """:func:`micro_batched_grad`'s sums of a batch of several micro-batches (on ``mesh``: of every device's share,
   added), and which of the States the loss creates hold the batch (``keep``)."""
   touched = []
-  batched, keep, samples_like = prepare_states(named, _recording(loss_and_new, touched), args, batch, grad_ids, weigh)
+  batched, keep, samples_like, aux_like = prepare_states(named, _recording(loss_and_new, touched), args, batch,
+                                                         grad_ids, weigh)
   cut = {id(s) for s, _ in batched}
   randoms = list({id(s): s for s in touched
                   if isinstance(s, brainstate.random.RandomState) and id(s) not in cut}.values())
-  micro_fn = _micro_fn(loss_and_new, grad_states, weigh, keep)
+  micro_fn = _aux_checked(_micro_fn(loss_and_new, grad_states, weigh, keep), aux_like, batch)
   with declared_batch_axes(batched):
     micro_fn = _seeing_statistics(micro_fn, loss_and_new, weigh, reduction, args, axes, plan, batched, randoms,
                                   mesh_axis, 1 if mesh is None else mesh_size(mesh, mesh_axis))

@@ -176,34 +176,36 @@ def discover_states(loss_and_new, args, batch: int, skip: set, weigh):
   """Trace the loss on the whole batch (tracing only).
 
   Returns the batched states as ``(State, axis, shapes)``, the indices of the new states to stitch (the
-  micro-batch on axis 0) and their whole-batch shapes.
+  micro-batch on axis 0), their whole-batch shapes, and the shapes of the loss's ``aux`` on the whole batch.
   """
 
   def probe(*whole):
     weigh(whole, batch)  # a bad loss_weight_fn fails here, before any state changes
-    return loss_and_new(*whole)[1][1]
+    _, (aux, new) = loss_and_new(*whole)
+    return new, aux
 
   traced = brainstate.transform.StatefulFunction(probe, return_only_write=False)
   traced.make_jaxpr(*args)
-  new_shapes, state_shapes = traced.get_out_shapes(*args)
+  (new_shapes, aux_like), state_shapes = traced.get_out_shapes(*args)
   found = [(s, batch_axis_of(s, batch, final), final)
            for s, final in zip(traced.get_states(*args), state_shapes) if id(s) not in skip]
   keep = [i for i, tree in enumerate(new_shapes)
           if all(len(x.shape) and x.shape[0] == batch for x in jax.tree_util.tree_leaves(tree))]
-  return [f for f in found if f[1] is not None], keep, [new_shapes[i] for i in keep]
+  return [f for f in found if f[1] is not None], keep, [new_shapes[i] for i in keep], aux_like
 
 
 def prepare_states(named, loss_and_new, args, batch: int, skip: set, weigh):
-  """Set the batched states to whole-batch values; return them as ``(State, axis)``, and the new states to stitch."""
+  """Set the batched states to whole-batch values; return them as ``(State, axis)``, the new states to stitch
+  (indices, whole-batch shapes) and the shapes of the loss's ``aux`` on the whole batch."""
   if named is not None:  # named states fail before anything is traced
     named = [(s, a, batch_shapes(s, a, batch)) for s, a in named]
     values = [whole_batch(s, a, shapes) for s, a, shapes in named]
-  found, keep, samples_like = discover_states(loss_and_new, args, batch, skip, weigh)
+  found, keep, samples_like, aux_like = discover_states(loss_and_new, args, batch, skip, weigh)
   if named is None:
     named, values = found, [whole_batch(s, a, shapes) for s, a, shapes in found]
   for (state, _, _), value in zip(named, values):
     state.value = value
-  return [(s, a) for s, a, _ in named], keep, samples_like
+  return [(s, a) for s, a, _ in named], keep, samples_like, aux_like
 
 
 def batched_variables(model, batch_size: Optional[int]) -> dict:

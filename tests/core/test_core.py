@@ -155,6 +155,27 @@ def test_a_one_dimensional_short_term_state_of_the_batch_length_is_not_cut_unask
   assert_trees_close(after, per_sample.value)
 
 
+@pytest.mark.parametrize('batch, n', [(12, 2), (10, 4)])
+def test_a_per_sample_aux_leaf_is_refused_by_name(batch, n):
+  """aux holding one value per sample: a weighted mean over the micro-batches would give the average of their
+  rows (shape (6,) of a batch of 12, silently), or with a short last micro-batch fail in JAX's cond; it is refused
+  by name. Per-batch summaries combine exactly."""
+  states = param_states()
+
+  def loss(x, y):
+    per = jnp.sum((jnp.tanh(x @ values(states)['w'] + values(states)['b']) - y) ** 2, axis=-1)
+    return jnp.mean(per), {'per_sample': per, 'above': jnp.mean(per > 1.)}
+
+  x, y = data(batch, 3, seed=3), data(batch, 2, seed=4)
+  with pytest.raises(ValueError, match=r"aux\['per_sample'\] has shape \(\d+,\) in a micro-batch .* and "
+                                       rf"\({batch},\) in the batch of {batch}"):
+    micro_batched_grad(loss, states, num_micro_batch=n, has_aux=True)(x, y)
+  summary = lambda x, y: (loss(x, y)[0], {'above': loss(x, y)[1]['above']})  # noqa: E731
+  grads, aux = micro_batched_grad(summary, states, num_micro_batch=n, has_aux=True)(x, y)
+  expected, expected_aux = brainstate.transform.grad(summary, states, has_aux=True)(x, y)
+  assert_trees_close((grads, aux), (expected, expected_aux))
+
+
 @pytest.mark.parametrize('time_first', [False, True])
 def test_dict_and_tuple_args_with_their_own_batch_axes(time_first):
   def loss(params, inputs, y, scale):
