@@ -227,8 +227,9 @@ def _cached_plan(entry: dict, share: int) -> Optional[MicroBatchPlan]:
   """The plan a plan-cache entry describes for a share of ``share`` samples, or ``None`` if it describes none."""
   size, remat = entry.get('micro_batch_size'), entry.get('remat')
   largest = entry.get('largest', size)
-  if not (isinstance(size, int) and 1 <= size <= share and (remat is None or isinstance(remat, (bool, int)))
-          and isinstance(largest, int) and 1 <= largest <= share):
+  count = lambda x: isinstance(x, int) and not isinstance(x, bool) and 1 <= x  # noqa: E731 (a bool is an int too)
+  if not (count(size) and size <= share and (remat is None or isinstance(remat, bool) or count(remat))
+          and count(largest) and largest <= share):
     return None
   return plan_micro_batches(share, micro_batch_size=size)._replace(remat=remat)
 

@@ -228,6 +228,8 @@ def _write_entry(tmp_path, change):
   (lambda entry: json.dumps(dict(entry, format=0)), 'another format'),
   (lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], micro_batch_size=SIZE))), 'over memory_budget'),
   (lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], micro_batch_size='x'))), 'does not describe'),
+  (lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], micro_batch_size=True))), 'does not describe'),
+  (lambda entry: json.dumps(dict(entry, plan=dict(entry['plan'], remat=-2))), 'does not describe'),
 ])
 def test_corrupt_foreign_or_stale_entries_are_ignored_with_a_note_and_replanned(data, tmp_path, change, note):
   """The batch's own plan, one entry, on every device: its data is handed to its step, not sent ahead (where it
