@@ -150,12 +150,41 @@ def _stored_keys(tree: dict, group: str, variables: Dict[str, bm.Variable], para
   return keys
 
 
+def _window_rows(name: str, value, expected: tuple) -> np.ndarray:
+  """A sum of the ``accumulate_steps`` window (``window/...``) in the form this trainer keeps it, where it was
+  saved with one row per device of a mesh and is loaded without one, or the reverse, or with another number of
+  devices: the rows added (the window's sum is theirs), and where this trainer keeps rows, that sum in the first
+  of rows of zeros. Other values, and sums of another form, as they are.
+
+  Examples
+  --------
+  >>> saved = np.array([2., 3.], np.float32)  # a window's weight on a mesh of two devices
+  >>> _window_rows('window/weight', saved, ()), _window_rows('window/weight', saved, (4,))
+  (array(5., dtype=float32), array([5., 0., 0., 0.], dtype=float32))
+  """
+  value, expected = np.asarray(value), tuple(expected)
+  if not name.startswith('window/') or value.shape == expected:
+    return value
+  if value.ndim == len(expected) + 1 and value.shape[1:] == expected:
+    return np.asarray(value.sum(0, dtype=value.dtype))
+  if value.ndim + 1 == len(expected) and value.shape == expected[1:]:
+    total = value
+  elif value.ndim == len(expected) and value.ndim and value.shape[1:] == expected[1:]:
+    total = value.sum(0, dtype=value.dtype)
+  else:
+    return value
+  rows = np.zeros(expected, value.dtype)
+  rows[0] = total
+  return rows
+
+
 def _check_group(path, group, variables, stored, keys) -> None:
   if len(stored) != len(variables):
     raise ValueError(f'Checkpoint path={path!r} holds {len(stored)} {group} variables, this trainer has '
                      f'{len(variables)}: it was saved from another model or configuration. Nothing was loaded.')
   for key, (name, var) in zip(keys, variables.items()):
-    value, current = np.asarray(stored[key]), _to_host(var.value)
+    current = _to_host(var.value)
+    value = _window_rows(name, stored[key], current.shape)
     axis = getattr(var, 'batch_axis', None)
     shape, expected = list(value.shape), list(current.shape)
     if axis is not None and len(shape) == len(expected):
@@ -184,8 +213,10 @@ def load(trainer, path: str, window) -> Optional[Tuple[Progress, Dict[str, dict]
     _check_group(path, group, variables, tree['values'][group], keys[group])
   run = _run_of(path, tree)
   for group, variables in groups.items():
-    for key, var in zip(keys[group], variables.values()):
-      var.value = _from_host(tree['values'][group][key], var.value)
+    for key, (name, var) in zip(keys[group], variables.items()):
+      stored = tree['values'][group][key]
+      var.value = _from_host(_window_rows(name, stored, np.shape(var.value)) if group == 'counters' else stored,
+                             var.value)
   return run
 
 

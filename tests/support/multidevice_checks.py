@@ -52,6 +52,12 @@ def test_eight_devices_equal_one_device(mesh, model, num_micro_batch):
   assert trainer.describe_batch(24) == f'batch 24 = 8 devices x ({share})'
 
 
+@pytest.mark.parametrize('saved_on_mesh', [True, False])
+def test_a_window_saved_on_eight_devices_resumes_on_one_and_the_reverse(mesh, saved_on_mesh, tmp_path):
+  from test_mesh import resume_across_mesh
+  resume_across_mesh(saved_on_mesh, tmp_path / 'run.ckpt', mesh, 8)
+
+
 def test_time_first_dict_inputs_and_summed_loss(mesh):
   _compare(Scenario(sizes=SIZES, time_first=True, dict_inputs=True, model='dict_rnn', test_size=8), mesh, num_micro_batch=2)
   _compare(Scenario(sizes=SIZES, loss='sum', test_size=8), mesh, num_micro_batch=2, grad_reduction='sum')

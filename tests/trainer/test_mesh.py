@@ -1,6 +1,9 @@
 """The ``mesh`` option: argument checks and a one-device mesh here; 8 simulated devices and two processes
 in subprocesses, since JAX fixes its devices when it starts."""
 
+import os
+import signal
+
 import brainpy as bp
 import jax
 import numpy as np
@@ -9,7 +12,7 @@ from jax.sharding import Mesh
 
 import background
 from brainpy_accum import AccumBPTT
-from helpers import assert_trees_close, make_model, params_of
+from helpers import assert_trees_close, make_batches, make_model, params_of
 from test_equivalence import Scenario, run
 
 
@@ -35,6 +38,43 @@ def test_one_device_mesh_equals_bptt():
   assert_trees_close(params, expected_params)
   assert_trees_close(metrics, expected_metrics)
   assert trainer.describe_batch(10) == 'batch 10 = 1 devices x (2 x 4 + 2)'
+
+
+def resume_across_mesh(saved_on_mesh: bool, checkpoint, mesh: Mesh, size: int) -> None:
+  """Ctrl-C with an accumulate_steps window holding one batch (of ``size`` samples), fit on ``mesh`` or without
+  one as ``saved_on_mesh`` says; the checkpoint resumed in the other form; the run must end as bp.BPTT's on the
+  windows."""
+  batches = make_batches((size,) * 4)
+  trainer = lambda on: AccumBPTT(make_model('rnn'), bp.losses.mean_squared_error,  # noqa: E731
+                                 optimizer=bp.optim.Adam(lr=0.05), progress_bar=False, num_micro_batch=2,
+                                 accumulate_steps=2, **({'mesh': mesh} if on else {}))
+
+  def interrupted():  # Ctrl-C while fetching batch 3: batches 0-2 run (fit holds one batch ahead)
+    for i, batch in enumerate(batches):
+      if i == 3:
+        os.kill(os.getpid(), signal.SIGINT)
+      yield batch
+
+  handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      trainer(saved_on_mesh).fit(interrupted, num_epoch=1, checkpoint=checkpoint)
+  finally:
+    signal.signal(signal.SIGINT, handler)
+  resumed = trainer(not saved_on_mesh)
+  resumed.fit(batches, num_epoch=1, checkpoint=checkpoint)
+  reference = bp.BPTT(make_model('rnn'), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05),
+                      progress_bar=False)
+  reference.fit([tuple(np.concatenate(parts) for parts in zip(*batches[i:i + 2])) for i in (0, 2)], num_epoch=1)
+  assert_trees_close(params_of(resumed.target), params_of(reference.target))
+
+
+@pytest.mark.parametrize('saved_on_mesh', [True, False])
+def test_a_window_saved_on_a_mesh_resumes_without_one_and_the_reverse(saved_on_mesh, tmp_path):
+  """On a mesh the accumulate_steps window keeps one row of sums per device, without one a single sum: a
+  checkpoint taken mid-window resumes in the other form (the rows added; the sum put in the first row). It was
+  refused as a model that does not fit. (Eight devices: ``multidevice_checks.py``.)"""
+  resume_across_mesh(saved_on_mesh, tmp_path / 'run.ckpt', Mesh(np.array(jax.devices()[:1]), ('batch',)), 4)
 
 
 @pytest.mark.long
