@@ -206,6 +206,7 @@ def load(trainer, path: str, window) -> Optional[Tuple[Progress, Dict[str, dict]
   if not isinstance(tree.get('values'), dict):
     raise ValueError(f'Checkpoint path={path!r} holds no Variables. Nothing was loaded.')
   groups = checkpoint_groups(trainer, window)
+  emptied = _one_side_window(path, tree, groups)
   keys = {group: _stored_keys(tree, group, variables, groups['params']) for group, variables in groups.items()}
   for group, variables in groups.items():
     if group not in tree['values']:
@@ -217,7 +218,34 @@ def load(trainer, path: str, window) -> Optional[Tuple[Progress, Dict[str, dict]
       stored = tree['values'][group][key]
       var.value = _from_host(_window_rows(name, stored, np.shape(var.value)) if group == 'counters' else stored,
                              var.value)
+  for var in emptied:
+    var.value = _from_host(np.zeros(np.shape(var.value), _to_host(var.value).dtype), var.value)
   return run
+
+
+def _one_side_window(path: str, tree: dict, groups: dict) -> list:
+  """Where only one side has a window of sums between steps (``accumulate_steps`` other than 1, or a trainer
+  that streams batches), leave it out of ``tree`` (the file's contents) and ``groups`` (this trainer's): a saved
+  window that is empty holds nothing to carry over; this trainer's own window is to be emptied (returned, its
+  Variables), as the saved run had nothing between steps. A saved window that holds sums not yet applied is
+  refused, naming what would lose them."""
+  names = tree.get('names', {}).get('counters')
+  counters, stored = groups['counters'], tree['values'].get('counters')
+  if not isinstance(names, dict) or not isinstance(stored, dict):
+    return []
+  saved = {key for key, name in names.items() if str(name).startswith('window/')}
+  here = [name for name in counters if name.startswith('window/')]
+  if saved and not here:
+    weight = next((key for key in saved if names[key] == 'window/weight'), None)
+    if weight is None or np.any(np.asarray(stored.get(weight, 1)) != 0):
+      raise ValueError(f'Checkpoint path={path!r} holds the sums of an accumulate_steps window not yet applied '
+                       f'(it was saved between the batches of one update), which this trainer, without such a '
+                       f'window, would drop: resume with the accumulate_steps it was saved with. Nothing was loaded.')
+    tree['values']['counters'] = {k: v for k, v in stored.items() if k not in saved}
+  elif here and not saved:
+    groups['counters'] = {k: v for k, v in counters.items() if k not in here}
+    return [counters[name] for name in here]
+  return []
 
 
 def _run_of(path: str, tree: dict) -> Optional[Tuple[Progress, Dict[str, dict]]]:

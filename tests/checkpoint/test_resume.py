@@ -125,6 +125,40 @@ def test_ctrl_c_finishes_the_batch_then_stops_with_a_checkpoint(tmp_path, ctrl_c
   np.testing.assert_allclose(trainer.train_losses, whole.train_losses, rtol=1e-6)
 
 
+@pytest.mark.parametrize('saved, resumed', [(1, 2), (2, 1)])
+def test_a_checkpoint_between_updates_resumes_with_another_accumulate_steps(saved, resumed, tmp_path):
+  """Saved between updates, a run has nothing summed to carry over: a trainer with another accumulate_steps (a
+  window of sums where the saved one had none, or the reverse) resumes it, and trains as bp.BPTT does on its
+  windows from there. It was refused as another model or configuration."""
+  path = tmp_path / 'run.ckpt'
+  first = _trainer(accumulate_steps=saved)
+  first.fit(BATCHES[:2], num_epoch=1)  # with accumulate_steps=2 one whole window: nothing left in it
+  first.save_checkpoint(path)
+  second = _trainer(accumulate_steps=resumed)
+  second.load_checkpoint(path)
+  second.fit(BATCHES[2:], num_epoch=1)
+  reference = bp.BPTT(make_model('rnn'), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05),
+                      progress_bar=False)
+  for batches, k in ((BATCHES[:2], saved), (BATCHES[2:], resumed)):
+    reference.fit([tuple(np.concatenate(p) for p in zip(*batches[i:i + k])) for i in range(0, len(batches), k)],
+                  num_epoch=1)
+  assert_trees_close(params_of(second.target), params_of(reference.target))
+
+
+def test_a_checkpoint_inside_a_window_is_not_resumed_without_one(tmp_path, ctrl_c_raises):
+  """Saved between the batches of one update, the window's sums are part of the run: a trainer without a window
+  would drop them, so it refuses the checkpoint, naming accumulate_steps, before anything changes."""
+  checkpoint = tmp_path / 'run.ckpt'
+  with pytest.raises(KeyboardInterrupt):  # batches 0-2 run: the window holds batch 2
+    _trainer(accumulate_steps=2).fit(_signalling(BATCHES, at=3), num_epoch=1, checkpoint=checkpoint)
+  other = _trainer()
+  before = params_of(other.target)
+  with pytest.raises(ValueError, match='holds the sums of an accumulate_steps window not yet applied.*resume with '
+                                       'the accumulate_steps it was saved with'):
+    other.load_checkpoint(checkpoint)
+  assert_trees_close(params_of(other.target), before, rtol=0, atol=0)
+
+
 def test_finished_run_is_continued_by_a_larger_num_epoch(tmp_path):
   checkpoint = tmp_path / 'run.ckpt'
   first = _trainer(accumulate_steps=2)
