@@ -447,8 +447,9 @@ class FirstBatchCheck:
   def _pending(self, shared_args, inputs, targets, before_planning: bool, streamed: bool) -> 'PendingCheck':
     layout = self.parts.check_batch(inputs, targets)
     plan = self._plan(layout.batch_size, inputs, targets, before_planning, streamed)
-    if plan is None:
-      return NO_CHECK
+    if plan is None or plan_micro_batches(layout.batch_size, micro_batch_size=plan.micro_batch_size
+                                          ).num_micro_batches == 1:
+      return NO_CHECK  # (a batch that trains whole, on every device: nothing to compare; a later cut one is checked)
     self.checked = True
     if plan.num_micro_batches > 1:  # a model that fails on a micro-batch: the error that names the fix, first
       with whole_batch_variables(self.model, layout.batch_size) as states, \

@@ -55,9 +55,13 @@ class PendingCheck:
       self.started = True
       self._running = self._owner.run(*self._batch)
 
-  def cancel(self) -> None:
-    """Never start (nothing to check); a check already finished stays as it is."""
+  def drop(self) -> None:
+    """The batch trains whole, nothing to warn about: wait for the check without its report, and leave the
+    trainer's check to the next batch that is cut (a batch in one piece says nothing of a cut's combination)."""
+    self.finish(report=False, retry=False)
     self.started = self.finished = True
+    if self._owner is not None:
+      self._owner.checked = False
 
   def finish(self, report: bool = True, retry: bool = True) -> None:
     """Wait for the check and give its warnings (``report=False``: only wait); nothing if it never started.
@@ -100,13 +104,15 @@ class FitCheck:
   def __init__(self, owner, shared_args):
     self.owner, self.shared_args, self.pending = owner, shared_args, NO_CHECK
     self.planner_ran = False  # (a planner compiles the step that fit then runs)
+    self._for_planned = False  # whether the pending check was made for the batch being planned
 
   @contextlib.contextmanager
   def planning(self, phase: str, inputs, targets, later: bool):
     """Around planning a batch: in training, the check cut in two starts beside the search (``later``: it waits for
     the first step, as where the plan is cached); if planning raises, it is waited for without its report."""
     self.planner_ran = True
-    if phase == 'fit' and self.pending is NO_CHECK:
+    self._for_planned = phase == 'fit' and self.pending is NO_CHECK
+    if self._for_planned:
       self.pending = self.owner.pending(self.shared_args, inputs, targets, before_planning=True)
       if not later:
         self.pending.start()
@@ -114,12 +120,14 @@ class FitCheck:
       yield
 
   def planned(self, one_piece: bool, streamed: bool) -> None:
-    """After planning: a batch in one micro-batch trains the whole batch's loss, nothing to warn about (the check
-    is dropped, started or not); a streamed batch's check, made before planning and not started (a cached plan),
-    starts now, while the model holds the whole batch's state (its first piece's is set next)."""
-    if one_piece:
-      self.pending.finish(report=False, retry=False)
-      self.pending.cancel()
+    """After planning: a batch in one micro-batch trains the whole batch's loss, nothing to warn about (its check,
+    made before planning, is dropped, started or not, and the next batch that is cut is checked instead; an
+    earlier batch's check still running is finished after this batch's step, with its report); a streamed batch's
+    check, made before planning and not started (a cached plan), starts now, while the model holds the whole
+    batch's state (its first piece's is set next)."""
+    if one_piece and self._for_planned:
+      self.pending.drop()
+      self.pending = NO_CHECK
     elif streamed:
       self.pending.start()
 

@@ -452,16 +452,18 @@ def warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
   seen = f'random outputs ({point}) in place of the model\'s, {what}'
   if statistics:
     warnings.warn(f'loss_fun couples the samples of a batch beyond its batch statistics '
-                  f'({", ".join(statistics)}, which every micro-batch sees whole): with the first batch\'s data and '
-                  f'{seen}. A term that reads a batch statistic per sample (e.g. mean((x - batch_mean(x)) ** 2)), a '
+                  f'({", ".join(statistics)}, which every micro-batch sees whole): with the data of the first batch '
+                  f'cut into micro-batches and {seen}. A term that reads a batch statistic per sample (e.g. '
+                  f'mean((x - batch_mean(x)) ** 2)), a '
                   f'statistic of a statistic, or another mean over the batch left unmarked is not exact over '
                   f'micro-batches: accumulating their gradients would train another objective. Write it as a function '
                   f'of batch statistics alone (e.g. batch_mean(x ** 2) - batch_mean(x) ** 2), or pass '
                   f'{WHOLE_BATCH_FIX} to train the whole-batch loss exactly.', UserWarning, stacklevel=4)
     return
-  warnings.warn(f'loss_fun couples the samples of a batch: with the first batch\'s data and {seen}. Accumulating '
-                f'micro-batch gradients would train that other objective (e.g. a batch-wide firing-rate regulariser, '
-                f'or a spike count summed over the batch, changes with the micro-batch\'s size). Two ways train the '
+  warnings.warn(f'loss_fun couples the samples of a batch: with the data of the first batch cut into micro-batches '
+                f'and {seen}. Accumulating micro-batch gradients would train that other objective (e.g. a batch-wide '
+                f'firing-rate regulariser, or a spike count summed over the batch, changes with the micro-batch\'s '
+                f'size). Two ways train the '
                 f'whole-batch loss exactly: where the coupling is a mean or a sum over the batch (a firing rate), '
                 f'compute it with brainpy_accum.batch_mean(x, axis=...) or batch_sum (each micro-batch then sees the '
                 f'whole batch\'s value, at one micro-batch\'s memory); for any loss, pass {WHOLE_BATCH_FIX} (it '

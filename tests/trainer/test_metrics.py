@@ -279,6 +279,54 @@ def test_found_reductions_with_auto_plans_equal_bptt(planned, tmp_path):
   assert not [c for c in caught if 'metric' in c], caught
 
 
+def summary_metrics(predicts, targets):
+  """MSE, a batch maximum, a count and a mean: no per-sample metric (bp.BPTT stacks those, so its batches would
+  need one size)."""
+  return bp.losses.mean_squared_error(predicts, targets), {'max_out': bm.max(predicts),
+                                                           'n_pos': bm.sum(predicts[..., 0] > 0.5),
+                                                           'mean_out': bm.mean(predicts)}
+
+
+def rms_error(predicts, targets):
+  """Not a mean over samples: the first batch cut into micro-batches warns."""
+  return bm.sqrt(bm.mean((predicts - targets) ** 2))
+
+
+@pytest.mark.parametrize('sizes, options', [((1, 10), dict(num_micro_batch=3)), ((5, 10), dict(micro_batch_size=5)),
+                                            ((4, 10), 'auto'), ((10, 4), 'auto'), ((10, 4), 'planned')])
+def test_the_first_batch_cut_is_checked_whichever_batch_it_is(sizes, options):
+  """The check ran once per trainer, on the first batch, also where that batch trains in one micro-batch and
+  there is nothing to compare: the batches cut after it combined undeclared maxima and counts as means (a count
+  of 9 recorded as 3.0), and a coupled loss never warned; with 'auto' a check still running for a cut batch was
+  dropped, unreported, when the next batch planned trained whole (found by a reviewer's run). Now the first batch
+  cut is checked: the history equals bp.BPTT's, dtypes too, and a coupled loss warns once."""
+  x, y = make_batches((10,))[0]
+  before_fit = None
+  if options == 'planned':  # planned before fit: its check starts after its first step, and runs beside the next
+    before_fit = lambda trainer: (trainer.target.reset(10), trainer.plan_memory(x, y))  # noqa: E731
+  if options in ('auto', 'planned'):
+    probe = AccumBPTT(make_model('rnn'), summary_metrics, loss_has_aux=True, num_micro_batch='auto',
+                      memory_budget='1GiB', cache=False)
+    probe.target.reset(10)
+    need = [probe.compiled_step_bytes(plan_micro_batches(10, micro_batch_size=n), {}, x, y) for n in (5, 10)]
+    options = dict(num_micro_batch='auto', memory_budget=(need[0] + need[1]) // 2, cache=False)
+  _, expected, _, _ = reference(sizes=sizes, loss=summary_metrics)
+  trainers = []
+  _, history, _, caught = fit(AccumBPTT, sizes=sizes, loss=summary_metrics, trainers=trainers, before_fit=before_fit,
+                              **options)
+  counts = {size: trainers[0].num_micro_batch_for(size) for size in sizes}
+  assert counts[10] > 1 and all(counts[size] == 1 for size in sizes if size < 10), counts
+  assert_same_history(history, expected)
+  assert not [c for c in caught if 'metric' in c or 'couples' in c], caught
+  coupled = AccumBPTT(make_model('rnn'), rms_error, progress_bar=False, **options)  # (no metrics: checked beside)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    if before_fit is not None:
+      before_fit(coupled)
+    coupled.fit(make_batches(sizes), num_epoch=2)
+  assert len([c for c in caught if 'couples the samples' in str(c.message)]) == 1, [str(c.message) for c in caught]
+
+
 def test_metrics_whose_reduction_cannot_be_found_warn_and_a_declared_one_wins():
   """Undeclared: a spread (no combination of its micro-batch values gives it) and a constant (a mean, a max and a
   min all do) each warn, naming aux_reduction, and combine as means; the count is found silently. Declared
