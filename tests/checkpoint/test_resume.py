@@ -125,7 +125,7 @@ def test_ctrl_c_finishes_the_batch_then_stops_with_a_checkpoint(tmp_path, ctrl_c
   np.testing.assert_allclose(trainer.train_losses, whole.train_losses, rtol=1e-6)
 
 
-@pytest.mark.parametrize('saved, resumed', [(1, 2), (2, 1)])
+@pytest.mark.parametrize('saved, resumed', [(1, 2), pytest.param(2, 1, marks=pytest.mark.long)])  # README time
 def test_a_checkpoint_between_updates_resumes_with_another_accumulate_steps(saved, resumed, tmp_path):
   """Saved between updates, a run has nothing summed to carry over: a trainer with another accumulate_steps (a
   window of sums where the saved one had none, or the reverse) resumes it, and trains as bp.BPTT does on its

@@ -69,7 +69,7 @@ def resume_across_mesh(saved_on_mesh: bool, checkpoint, mesh: Mesh, size: int) -
   assert_trees_close(params_of(resumed.target), params_of(reference.target))
 
 
-@pytest.mark.parametrize('saved_on_mesh', [True, False])
+@pytest.mark.parametrize('saved_on_mesh', [True, pytest.param(False, marks=pytest.mark.long)])  # README suite time
 def test_a_window_saved_on_a_mesh_resumes_without_one_and_the_reverse(saved_on_mesh, tmp_path):
   """On a mesh the accumulate_steps window keeps one row of sums per device, without one a single sum: a
   checkpoint taken mid-window resumes in the other form (the rows added; the sum put in the first row). It was

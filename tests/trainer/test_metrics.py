@@ -292,8 +292,9 @@ def rms_error(predicts, targets):
   return bm.sqrt(bm.mean((predicts - targets) ** 2))
 
 
-@pytest.mark.parametrize('sizes, options', [((1, 10), dict(num_micro_batch=3)), ((5, 10), dict(micro_batch_size=5)),
-                                            ((4, 10), 'auto'), ((10, 4), 'auto'), ((10, 4), 'planned')])
+@pytest.mark.parametrize('sizes, options', [
+  ((1, 10), dict(num_micro_batch=3)), pytest.param((5, 10), dict(micro_batch_size=5), marks=pytest.mark.long),
+  ((4, 10), 'auto'), pytest.param((10, 4), 'auto', marks=pytest.mark.long), ((10, 4), 'planned')])  # (README time)
 def test_the_first_batch_cut_is_checked_whichever_batch_it_is(sizes, options):
   """The check ran once per trainer, on the first batch, also where that batch trains in one micro-batch and
   there is nothing to compare: the batches cut after it combined undeclared maxima and counts as means (a count
