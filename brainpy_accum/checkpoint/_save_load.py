@@ -183,8 +183,7 @@ def _check_group(path, group, variables, stored, keys) -> None:
     raise ValueError(f'Checkpoint path={path!r} holds {len(stored)} {group} variables, this trainer has '
                      f'{len(variables)}: it was saved from another model or configuration. Nothing was loaded.')
   for key, (name, var) in zip(keys, variables.items()):
-    current = _to_host(var.value)
-    value = _window_rows(name, stored[key], current.shape)
+    value, current = np.asarray(stored[key]), _to_host(var.value)
     axis = getattr(var, 'batch_axis', None)
     shape, expected = list(value.shape), list(current.shape)
     if axis is not None and len(shape) == len(expected):
@@ -208,19 +207,28 @@ def load(trainer, path: str, window) -> Optional[Tuple[Progress, Dict[str, dict]
   groups = checkpoint_groups(trainer, window)
   emptied = _one_side_window(path, tree, groups)
   keys = {group: _stored_keys(tree, group, variables, groups['params']) for group, variables in groups.items()}
+  _window_as_kept(tree, keys['counters'], groups['counters'])
   for group, variables in groups.items():
     if group not in tree['values']:
       raise ValueError(f'Checkpoint path={path!r} lacks the {group} group. Nothing was loaded.')
     _check_group(path, group, variables, tree['values'][group], keys[group])
   run = _run_of(path, tree)
   for group, variables in groups.items():
-    for key, (name, var) in zip(keys[group], variables.items()):
-      stored = tree['values'][group][key]
-      var.value = _from_host(_window_rows(name, stored, np.shape(var.value)) if group == 'counters' else stored,
-                             var.value)
+    for key, var in zip(keys[group], variables.values()):
+      var.value = _from_host(tree['values'][group][key], var.value)
   for var in emptied:
-    var.value = _from_host(np.zeros(np.shape(var.value), _to_host(var.value).dtype), var.value)
+    var.value = _from_host(np.zeros(np.shape(var.value), bm.as_jax(var.value).dtype), var.value)
   return run
+
+
+def _window_as_kept(tree: dict, keys: list, counters: Dict[str, bm.Variable]) -> None:
+  """The stored sums of the ``accumulate_steps`` window in ``tree`` (the file's contents, at ``keys``) in the form
+  this trainer's ``counters`` keep them (:func:`_window_rows`), once, before they are checked and assigned."""
+  stored = tree['values'].get('counters')
+  if isinstance(stored, dict):
+    for key, (name, var) in zip(keys, counters.items()):
+      if key in stored:
+        stored[key] = _window_rows(name, stored[key], np.shape(var.value))
 
 
 def _one_side_window(path: str, tree: dict, groups: dict) -> list:

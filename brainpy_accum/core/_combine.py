@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ['GRAD_REDUCTIONS', 'add_scaled', 'check_grad_reduction', 'check_loss_weight_fn', 'combine_values',
-           'finish_grads', 'finish_values', 'micro_batch_weight', 'same_type', 'scaled', 'sum_values', 'weakly_typed', 'weighted_sum',
-           'wide_zeros_like']
+           'finish_grads', 'finish_values', 'micro_batch_weight', 'same_type', 'scaled', 'sum_values', 'weakly_typed',
+           'weighted_sum', 'wide_zeros_like']
 
 GRAD_REDUCTIONS = ('mean', 'sum')
 

@@ -52,9 +52,8 @@ def check_trainer_args(*, num_micro_batch, micro_batch_size, grad_reduction, tar
   ``data_first_axis`` (which BrainPy checks with an ``assert``); returns ``num_micro_batch`` (``1`` where neither
   it nor ``micro_batch_size`` is given: bp.BPTT's whole-batch step) and the checked ``aux_reduction``."""
   if data_first_axis is not None and (not isinstance(data_first_axis, str) or data_first_axis not in ('B', 'T')):
-    raise DataFirstAxisError(f"{data_first_axis=} must be 'B' (data shaped (batch, time, ...)), 'T' ((time, batch, "
-                             f"...)) "
-                             f"or None (BrainPy's default: 'B' for a model in batching mode).")
+    raise DataFirstAxisError(f"{data_first_axis=} must be 'B' (data shaped (batch, time, ...)), 'T' ((time, "
+                             f"batch, ...)) or None (BrainPy's default: 'B' for a model in batching mode).")
   if remat == 'auto' and mesh is not None:
     raise ValueError("remat='auto' is not supported with a mesh (its trial steps run unsharded): choose remat=True "
                      "or False with mesh=..., or drop the mesh.")
