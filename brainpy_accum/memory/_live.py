@@ -58,7 +58,9 @@ def temp_bytes_at_least(jaxpr) -> int:
   try:
     from jax._src.interpreters.partial_eval import dce_jaxpr  # JAX's own dead-code elimination
     opened = _opened(jaxpr)
-    opened = opened.replace(debug_info=None)  # (brainstate's may name fewer arguments than there are)
+    # brainstate's debug info may name fewer arguments than there are: the names dropped, the rest kept (no
+    # debug info at all is deprecated in JAX 0.10)
+    opened = opened.replace(debug_info=opened.debug_info.with_unknown_names())
     live, _ = dce_jaxpr(opened, [True] * len(opened.outvars))
     return _bound(live, data=set(live.invars))
   except Exception:  # an internal of JAX not as expected: no bound, nothing ruled out

@@ -1,6 +1,7 @@
 """Working memory: remat over time and the memory-budget planner, judged by XLA's compile-time analysis."""
 
 import re
+import warnings
 
 import brainpy as bp
 import brainpy.math as bm
@@ -216,3 +217,15 @@ def test_memory_budget_strings(text, size):
 def test_bad_memory_options_are_named(kwargs, error, message):
   with pytest.raises(error, match=message):
     _trainer(**kwargs)
+
+
+def test_lower_bound_uses_no_deprecated_jax():
+  """The bound is found with JAX's deprecation warnings as errors (once JAX removes what it deprecates, a bound
+  taken through it would silently become 0: no size ruled out)."""
+  def loss(w, xs):
+    return jax.lax.scan(lambda h, x: (jnp.tanh(h * w + x),) * 2, jnp.zeros(64), xs)[1].sum()
+
+  traced = jax.jit(jax.grad(loss)).trace(1., jnp.ones((100, 64)))
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', DeprecationWarning)
+    assert temp_bytes_at_least(traced.jaxpr) >= 100 * 64 * 4
