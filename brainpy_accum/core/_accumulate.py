@@ -20,7 +20,8 @@ from ._combine import (add_scaled, check_grad_reduction, check_loss_weight_fn, f
 from ._cut import MicroBatchPlan, as_int, check_cut, is_int, plan_micro_batches
 from ._metrics import MetricPlan, join_metrics, split_metrics, stacked_partials, stitched_into
 from ._mesh import auto_axes, batch_spec, check_divisible, check_mesh, mesh_size, per_device_random, sum_across_devices
-from ._states import declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states
+from ._states import (declared_batch_axes, is_state, loss_catching_new_states, named_states, prepare_states,
+                      refuse_batched_grads, states_put_back)
 from ._written import WriteReport, Written, apart_across_devices, kept_last, restart, values_before, written_by
 
 __all__ = ['MicroResult', 'Sums', 'accumulate', 'micro_batched_grad']
@@ -264,7 +265,8 @@ def _aux_checked(micro_fn, aux_like, batch: int):
     for (path, like), leaf in zip(whole, jax.tree_util.tree_leaves(out.aux)):
       if np.shape(leaf) != tuple(like.shape):
         raise ValueError(f'micro_batched_grad combines aux as weighted means over the micro-batches, so each aux '
-                         f'leaf must keep its shape whatever the batch size (a mean, a count); aux'
+                         f'leaf must keep its shape whatever the batch size (a mean over the samples, a per-feature '
+                         f'mean; a count or a maximum is averaged too); aux'
                          f'{jax.tree_util.keystr(path)} has shape {np.shape(leaf)} in a micro-batch of {size} samples '
                          f'and {tuple(like.shape)} in the batch of {batch}. Reduce it over the samples inside loss_fn '
                          f'(its mean, say), or train with AccumBPTT(loss_has_aux=True), which puts per-sample '
@@ -472,14 +474,16 @@ def _sums(loss_and_new, grad_states, named, grad_ids: set, weigh, reduction: str
           ) -> Tuple[Sums, list]:
   """:func:`micro_batched_grad`'s sums of a batch of several micro-batches (on ``mesh``: of every device's share,
   added), and which of the States the loss creates hold the batch (``keep``)."""
+  refuse_batched_grads(jax.tree_util.tree_leaves(grad_states, is_leaf=is_state), named, batch, report.name_of)
   touched = []
-  batched, keep, samples_like, aux_like = prepare_states(named, _recording(loss_and_new, touched), args, batch,
-                                                         grad_ids, weigh)
+  batched, keep, samples_like, aux_like, before = prepare_states(named, _recording(loss_and_new, touched), args,
+                                                                 batch, grad_ids, weigh)
   cut = {id(s) for s, _ in batched}
-  randoms = list({id(s): s for s in touched
-                  if isinstance(s, brainstate.random.RandomState) and id(s) not in cut}.values())
+  others = list({id(s): s for s in touched if id(s) not in cut}.values())
+  before += [(s, s.value) for s in others]
+  randoms = [s for s in others if isinstance(s, brainstate.random.RandomState)]
   micro_fn = _aux_checked(_micro_fn(loss_and_new, grad_states, weigh, keep), aux_like, batch)
-  with declared_batch_axes(batched):
+  with states_put_back(before, batched, batch, report.name_of), declared_batch_axes(batched):
     micro_fn = _seeing_statistics(micro_fn, loss_and_new, weigh, reduction, args, axes, plan, batched, randoms,
                                   mesh_axis, 1 if mesh is None else mesh_size(mesh, mesh_axis))
     if mesh is None:

@@ -20,11 +20,22 @@ A cut state that holds one sample, or none, on its batch axis (``model.reset(1)`
 is broadcast to the batch first, as the whole-batch run broadcasts it. A state the loss creates itself
 (``init_all_states(model, size)`` inside the loss) is caught as it is created; those with the micro-batch on
 axis 0 are stitched back into whole-batch values. ``states=`` replaces the rule.
+
+When a state stops the cut:
+
+- A gradient with respect to a state the micro-batches would cut (a batched ``HiddenState``) would come in
+  pieces, one per micro-batch: refused by name before anything changes (:func:`refuse_batched_grads`).
+- An error while the micro-batches are traced leaves every state the loss touches as it was before the call
+  (:func:`states_put_back`), so that the corrected call starts from the same model. Where a state left whole
+  holds as many entries as the batch has samples on some axis, the error (a shape that does not broadcast, a
+  ``cond`` whose branches differ, JAX's or the loss's) is re-raised as a ``ValueError`` that also names that
+  state and ``states=``: a per-sample state the discovery rule does not cut (a plain ``ShortTermState`` of
+  ``(B,)``, a delay line of ``(L, B, H)``) writes the whole batch's shape in a micro-batch.
 """
 
 import contextlib
 import warnings
-from typing import Optional
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import brainpy.math as bm
 import brainstate
@@ -35,7 +46,8 @@ import numpy as np
 from ._cut import is_int
 
 __all__ = ['all_samples', 'batched_variables', 'declared_batch_axes', 'whole_batch_variables', 'implicit_batch_axis', 'variable_batch_axis', 'batch_axis_of', 'batch_shapes', 'discover_states', 'is_state', 'loss_catching_new_states', 'named_states',
-           'prepare_states', 'restore_values', 'values_of', 'values_restored', 'whole_batch']
+           'prepare_states', 'refuse_batched_grads', 'restore_values', 'states_put_back', 'values_of', 'values_restored',
+           'whole_batch']
 
 
 def is_state(x) -> bool:
@@ -162,6 +174,9 @@ def loss_catching_new_states(loss_fn, has_aux: bool, log: list):
       out = loss_fn(*args)
     if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise TypeError(f'With has_aux=True loss_fn must return (loss, aux); it returned a {type(out).__name__}.')
+    if not has_aux and isinstance(out, (tuple, list, dict)):
+      raise TypeError(f'loss_fn returned a {type(out).__name__}, not a scalar loss: set has_aux=True if it returns '
+                      f'(loss, aux).')
     loss, aux = out if has_aux else (out, None)
     if np.shape(loss) != ():
       raise ValueError(f'loss_fn must return a scalar loss; it returned shape {np.shape(loss)}. Average or sum it '
@@ -196,16 +211,18 @@ def discover_states(loss_and_new, args, batch: int, skip: set, weigh):
 
 def prepare_states(named, loss_and_new, args, batch: int, skip: set, weigh):
   """Set the batched states to whole-batch values; return them as ``(State, axis)``, the new states to stitch
-  (indices, whole-batch shapes) and the shapes of the loss's ``aux`` on the whole batch."""
+  (indices, whole-batch shapes), the shapes of the loss's ``aux`` on the whole batch, and the batched states'
+  values before (``(State, value)``, to put back after an error)."""
   if named is not None:  # named states fail before anything is traced
     named = [(s, a, batch_shapes(s, a, batch)) for s, a in named]
     values = [whole_batch(s, a, shapes) for s, a, shapes in named]
   found, keep, samples_like, aux_like = discover_states(loss_and_new, args, batch, skip, weigh)
   if named is None:
     named, values = found, [whole_batch(s, a, shapes) for s, a, shapes in found]
+  before = [(state, state.value) for state, _, _ in named]
   for (state, _, _), value in zip(named, values):
     state.value = value
-  return [(s, a) for s, a, _ in named], keep, samples_like, aux_like
+  return [(s, a) for s, a, _ in named], keep, samples_like, aux_like, before
 
 
 def batched_variables(model, batch_size: Optional[int]) -> dict:
@@ -265,3 +282,53 @@ def values_restored(variables, *, any_shape: bool = False):
     yield
   finally:
     restore_values(variables, saved, any_shape=any_shape)
+
+
+def refuse_batched_grads(grad_states: Sequence, named: Optional[Sequence], batch: int, name_of: Callable) -> None:
+  """Refuse, naming it, a state of ``grad_states`` that micro-batches would cut: one named in ``states=``
+  (``named``: ``(State, axis)``), or else one the discovery rule cuts (a ``HiddenState`` holding the ``batch``)."""
+  axes = {id(s): a for s, a in named} if named is not None else {}
+  for state in grad_states:
+    axis = axes.get(id(state)) if named is not None else batch_axis_of(state, batch, state.value)
+    if axis is not None:
+      shape = jax.tree_util.tree_map(np.shape, state.value)
+      raise ValueError(f'{name_of(state)} holds the batch (shape {shape}, samples on axis '
+                       f'{axis}): micro-batches cut it, so its gradient would come in pieces. Differentiate '
+                       f'states that do not hold the samples (a learned initial state as a ParamState of one row, '
+                       f'broadcast to the batch in loss_fn), or use num_micro_batch=1 for this gradient.')
+
+
+@contextlib.contextmanager
+def states_put_back(before: List[Tuple], batched: Sequence, batch: int, name_of: Callable):
+  """While inside, the states of ``before`` (``(State, value)``) may change; if an error leaves, they get their
+  values back first, and a JAX or user error with a state left whole that may hold the samples (see the module)
+  becomes a ``ValueError`` naming it (``batched``: the ``(State, axis)`` pairs that are cut)."""
+  try:
+    yield
+  except BaseException as error:
+    for state, value in before:
+      state.restore_value(value)
+    hint = _uncut_hint([s for s, _ in before], batched, batch, name_of)
+    if hint and isinstance(error, (TypeError, ValueError)):
+      raise ValueError(f'A micro-batch failed: {type(error).__name__}: {error}\n{hint}') from error
+    raise
+
+
+def _uncut_hint(states: Iterable, batched: Sequence, batch: int, name_of: Callable) -> str:
+  """The states left whole with ``batch`` entries on an axis, and the ``states=`` that would cut them; ``''``."""
+  cut = {id(s) for s, _ in batched}
+  found = []
+  for state in states:
+    if id(state) in cut or isinstance(state, (brainstate.ParamState, bm.TrainVar, brainstate.random.RandomState)):
+      continue
+    axes = {a for leaf in jax.tree_util.tree_leaves(state.value) for a, n in enumerate(np.shape(leaf)) if n == batch}
+    if batch > 1 and axes:
+      found.append((state, min(axes)))
+  if not found:
+    return ''
+  named = ', '.join(f'{name_of(s)} (axis {a})' for s, a in found)
+  every = ', '.join(f'({name_of(s)}, {a})' for s, a in list(batched) + found)
+  return (f'{named}: as many entries as the batch has samples ({batch}) on that axis, but not cut into '
+          f'micro-batches (the rule cuts HiddenStates, and ShortTermStates of two or more dimensions with the '
+          f'samples on axis 0). A state that holds one value per sample must be named with its axis, with every '
+          f'other batched state: micro_batched_grad(..., states=[{every}]) (states= replaces the rule).')

@@ -261,7 +261,8 @@ class WriteReport:
       if not flag or self._warned.get(id(state)) is state:
         continue
       self._warned[id(state)] = state
-      warnings.warn(_message(self.name_of(state), is_trainable(state), holds), UserWarning, stacklevel=1)
+      warnings.warn(_message(self.name_of(state), is_trainable(state), holds, _is_batch_statistic(state)),
+                    UserWarning, stacklevel=1)
 
   def _cannot_check(self, states: tuple) -> None:
     new = [s for s in states if self._warned.get(id(s)) is not s]
@@ -287,7 +288,19 @@ def host_callbacks_run() -> bool:
     return False
 
 
-def _message(name: str, trainable: bool, holds: str) -> str:
+def _is_batch_statistic(state) -> bool:
+  """A brainstate ``BatchState``: what normalisation layers keep (BatchNorm's running mean and variance)."""
+  return isinstance(state, getattr(brainstate, 'BatchState', ()))
+
+
+def _message(name: str, trainable: bool, holds: str, batch_statistic: bool = False) -> str:
+  if batch_statistic:
+    return (f'{name} is a batch statistic (a BatchState: a BatchNorm layer\'s running mean or variance) that the '
+            f'forward pass writes from the samples. A layer that normalises by batch statistics in training '
+            f'normalises each micro-batch by its own statistics, not the batch\'s: the gradient and the loss '
+            f'differ from whole-batch training, and {name} holds {holds}. For exact training use a layer without '
+            f'batch statistics (LayerNorm), or num_micro_batch=1; the layer in evaluation mode (fit=False) reads '
+            f'its statistics only, which is exact.')
   if trainable:
     return (f'The trainable {name} is written in the forward pass with values that depend on the data (they '
             f'differed between micro-batches: a Hebbian term, a batch statistic, ...). A whole-batch step '
