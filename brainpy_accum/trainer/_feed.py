@@ -84,8 +84,10 @@ def _copied(x) -> bool:
 
 
 def _put(x):
-  """One host leaf on its way to the default device, as one copy (see the module's docstring)."""
-  return jax.device_put(x)
+  """One host leaf on its way to the default device, as one copy (see the module's docstring): a copy also on a
+  CPU, where JAX would otherwise alias a suitably aligned NumPy array (about half of them), which the source may
+  refill for the next batch."""
+  return jax.device_put(x, may_alias=False)
 
 
 def on_device(batch) -> Optional[Any]:
@@ -121,6 +123,7 @@ def on_device(batch) -> Optional[Any]:
 
 
 _copy_at_step = on_device  # the same copy, made at the step's call (:meth:`Feed.for_step`; a seam for tests)
+_copy_held = on_device  # the same copy, where nothing goes ahead (:meth:`Feed.for_step`)
 
 
 def prefetch_bytes(inputs, targets) -> int:
@@ -188,8 +191,9 @@ class Sender:
 
 
 class Fed(NamedTuple):
-  """A batch as the feed hands it: the source's ``batch``, whether it is the pass's ``last``, and the copies of
-  its units sent ahead (``sent``: unit index -> device data; unit ``None``: the whole batch)."""
+  """A batch as the feed hands it: the source's ``batch``, whether it is the pass's ``last`` (a feed that reads
+  ahead knows; else ``False``), and the copies of its units sent ahead (``sent``: unit index -> device data; unit
+  ``None``: the whole batch)."""
   batch: Any
   last: bool
   sent: Dict[Optional[int], Any]
@@ -198,15 +202,18 @@ class Fed(NamedTuple):
 class Feed:
   """The batches of one pass, as :class:`Fed` values, their units sent to the device while earlier ones run.
 
-  It reads one batch ahead of the one it yields, with
-  :func:`~brainpy_accum.trainer._window.with_last_flag` (whose behaviour it keeps: if reading the next batch
-  fails, the batch in hand is still yielded, as not last, before the error is raised). After the loop dispatched
-  a unit's step it calls :meth:`dispatched`, saying which unit comes next: a piece of the same batch (sent into
-  its ``sent``), or, after its last unit, the following batch's first unit, sent if that batch is like the one in
-  hand (same tree, shapes and dtypes: the same check and plan).
+  It reads the source as ``bp.BPTT`` does: the next batch once the batch in hand's last step is dispatched (at
+  :meth:`dispatched`, so that it can be sent while that step runs; where nothing is sent ahead, when the loop asks
+  for it), so a source may refill the same arrays for every batch, or make a batch from the model as the steps
+  before it left it. With ``ahead`` (a pass whose updates need to know its last batch: ``accumulate_steps``) it
+  reads one batch ahead of the one it yields, with :func:`~brainpy_accum.trainer._window.with_last_flag` (whose
+  behaviour it keeps: if reading the next batch fails, the batch in hand is still yielded, as not last, before
+  the error is raised); then the source may reuse a batch's host arrays only for the batch two after it. Either
+  way the copies of a batch's units are complete before the source is read on.
 
-  The data source may reuse a batch's host arrays when it makes the batch two after it: the copies of that
-  batch are waited for before the source is read on.
+  After the loop dispatched a unit's step it calls :meth:`dispatched`, saying which unit comes next: a piece of
+  the same batch (sent into its ``sent``), or, after its last unit, the following batch's first unit, sent if
+  that batch is like the one in hand (same tree, shapes and dtypes: the same check and plan).
 
   Parameters
   ----------
@@ -217,6 +224,8 @@ class Feed:
   units : callable
     ``units(inputs, targets) -> list`` of ``(start, size, slice)`` pieces of a batch, where ``slice()`` gives the
     piece's data, or ``None`` for a batch that runs whole; called on the batch in hand, whose plan is known.
+  ahead : bool
+    Read one batch ahead, so that each :class:`Fed` says whether it is the pass's ``last`` (without: never).
 
   Examples
   --------
@@ -224,7 +233,7 @@ class Feed:
   >>> from brainpy_accum.trainer._feed import Feed, Sender, overlapping
   >>> batches = [(np.full((2, 1), i, np.float32), np.zeros(2, np.float32)) for i in range(3)]
   >>> with overlapping(True):  # also on a CPU
-  ...   feed = Feed(batches, Sender(), units=lambda x, y: None)
+  ...   feed = Feed(batches, Sender(), units=lambda x, y: None, ahead=True)  # (ahead: each says if it is last)
   >>> for fed in feed:
   ...   x, y = fed.sent.get(None, fed.batch)
   ...   loss = jnp.sum(x)                    # the step, dispatched
@@ -235,8 +244,11 @@ class Feed:
   ArrayImpl 4.0 True
   """
 
-  def __init__(self, batches: Iterable, sender: Sender, units: Callable[[Any, Any], Optional[list]]):
-    self._batches, self.sender, self._units = batches, sender, units
+  def __init__(self, batches: Iterable, sender: Sender, units: Callable[[Any, Any], Optional[list]],
+               ahead: bool = False):
+    self._batches, self.sender, self._units, self._ahead = batches, sender, units, ahead
+    self._source: Optional[Iterator[Any]] = None
+    self._failed: Optional[Exception] = None  # the source's error, read at a dispatch, raised at the next batch
     self._in_hand: Optional[Fed] = None
     self._following: Any = _NOTHING   # the batch read ahead, as the source gave it
     self._first: Dict[Optional[int], Any] = {}  # its first unit, sent ahead
@@ -250,16 +262,46 @@ class Feed:
     return self.sender.enabled
 
   def __iter__(self) -> Iterator[Fed]:
-    for batch, last in with_last_flag(self._read()):
-      self._in_hand = Fed(batch, last, self._first)
-      self._first, self._hand_copies, self._following_copies = {}, self._following_copies, {}
-      yield self._in_hand
+    if self._ahead:
+      for batch, last in with_last_flag(self._read()):
+        yield self._hand(batch, last)
+      return
+    self._source, self._following = self._read(), _UNREAD
+    while True:
+      batch = self._read_on() if self._following is _UNREAD else self._following
+      if self._failed is not None:  # the source failed as it was read at the step's dispatch
+        error, self._failed = self._failed, None
+        raise error
+      if batch is _NOTHING:
+        return
+      yield self._hand(batch, False)
+
+  def _hand(self, batch, last: bool) -> Fed:
+    """``batch`` as the batch in hand (its first unit's copy, if it went ahead, in its ``sent``)."""
+    self._in_hand = Fed(batch, last, self._first)
+    self._first, self._hand_copies, self._following_copies = {}, self._following_copies, {}
+    if not self._ahead:
+      self._following = _UNREAD
+    return self._in_hand
+
+  def _read_on(self, keep_error: bool = False) -> Any:
+    """Without ``ahead``: the source's next batch (:data:`_NOTHING` at its end), kept as the one read next;
+    ``keep_error``: an error of the source is raised when the loop asks for the batch, not here (at a dispatch,
+    after which the loop still records the batch in hand, as ``bp.BPTT`` records every batch it trained)."""
+    try:
+      self._following = next(self._source, _NOTHING)
+    except Exception as error:
+      if not keep_error:
+        raise
+      self._failed, self._following = error, _NOTHING
+    return self._following
 
   def _read(self) -> Iterator[Any]:
     """The source's batches, each kept as the one read ahead until the next is read."""
     iterator = iter(self._batches)
     while True:
-      # the batch read now comes two after the one in hand, whose host arrays the source may reuse for it
+      # the batch read now comes after the one in hand (two after, with ``ahead``), whose host arrays the source
+      # may reuse for it
       jax.block_until_ready(list(self._hand_copies.values()))
       self._following = _NOTHING
       try:
@@ -274,8 +316,14 @@ class Feed:
     already on the device, as they are; host data, where the feed sends data ahead, copied now, as the step would
     copy it at its call, so that :meth:`dispatched` sends the next unit once it has arrived: two copies at once share
     the link, and the step, which needs this one, would start later (on a TPU v5e each fit's first batch of 512 MB
-    took about 110 ms to arrive beside the second's copy, 55 ms alone, 2026-12-07)."""
-    copy = _copy_at_step(data) if self.enabled else None
+    took about 110 ms to arrive beside the second's copy, 55 ms alone, 2026-12-07). Where nothing is sent ahead (a
+    CPU), host data are copied too, and the copy waited for: a step called on NumPy arrays may read them after the
+    call returns (on a CPU JAX passes them without a copy), when the source may already be refilling them for the
+    next batch; the copy is the one the call would make, the same program on the same values."""
+    if not self.enabled:
+      copy = _copy_held(data)
+      return data if copy is None else jax.block_until_ready(copy)
+    copy = _copy_at_step(data)
     if copy is None:
       return data
     self._late = self._hand_copies[unit] = copy
@@ -296,7 +344,7 @@ class Feed:
     if piece is not None and piece + 1 < pieces:
       self._send(self._in_hand.batch, piece + 1, self._in_hand.sent, self._hand_copies)
       return
-    following = self._following
+    following = self._read_on(keep_error=True) if self._following is _UNREAD else self._following
     like = None if following is _NOTHING else _signature(following)
     if like is None or like != _signature(self._in_hand.batch):
       return
@@ -316,4 +364,5 @@ class Feed:
       into[unit] = copies[unit] = sent
 
 
-_NOTHING = object()
+_NOTHING = object()  # the source's end
+_UNREAD = object()  # the next batch, not read yet

@@ -183,7 +183,7 @@ class FitLoop:
   def _whole(self, one: Pass, batch: Batch) -> Tuple[Any, dict]:
     """One batch's step, in one piece (cut into micro-batches inside it)."""
     kind, data = self._kind(one.phase, update := one.updates(batch)), one.feed.for_step(batch.data)
-    with self.check.stepping(one.phase, (batch.inputs, batch.targets),
+    with self.check.stepping(one.phase, data,
                              compiling=lambda: self.view.steps.compiling(kind, self.options.shared_args, *data)), \
          self._closing(kind == 'close' and not update):
       loss, aux = self._step(kind, data, batch.size, batch)

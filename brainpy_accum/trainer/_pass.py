@@ -17,7 +17,8 @@ __all__ = ['Batch', 'Pass', 'PhaseLog']
 class Batch(NamedTuple):
   """One batch as the loop steps it: its ``position`` in the pass, its ``inputs`` and ``targets`` (as the data
   gave them), their ``layout`` (:class:`~brainpy_accum.core._batch.BatchLayout`), whether it is the pass's
-  ``last``, and the copies of its units sent ahead (``sent``: unit index -> device data; ``None``: whole)."""
+  ``last`` (known where the pass updates every ``every`` > 1 batches, which reads one batch ahead; else
+  ``False``), and the copies of its units sent ahead (``sent``: unit index -> device data; ``None``: whole)."""
   position: int
   inputs: Any
   targets: Any
@@ -70,7 +71,7 @@ class Pass:
     """Open the progress bar (for data with a length) and the feed."""
     if show_bar and hasattr(self._batches, '__len__'):
       self.bar = tqdm(total=len(cast(Sized, self._batches)), initial=self.skip)
-    self.feed = Feed(itertools.islice(self._batches, self.skip, None), sender, units)
+    self.feed = Feed(itertools.islice(self._batches, self.skip, None), sender, units, ahead=self.every > 1)
 
   def batches(self, check_batch: Callable[[Any, Any], Any]) -> Iterator[Batch]:
     """The pass's batches, each checked (``check_batch(inputs, targets) -> layout``, which raises before
