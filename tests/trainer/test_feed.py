@@ -564,19 +564,34 @@ def test_spikes_sent_as_uint8_train_as_bptt_on_float32_spikes(sent):
 
 
 @pytest.mark.parametrize('send_ahead', [False, True])
-def test_a_source_that_reads_the_model_trains_as_bp_bptt(send_ahead):
-  """The source is read as bp.BPTT reads it, once the step before is dispatched: one whose batches follow the
-  parameters (a curriculum, targets made from the current weights) got each batch before the update before (the
-  feed read one batch ahead), on the CPU and with data sent ahead."""
+@pytest.mark.parametrize('source', ['refilled', 'from the model'])
+def test_sources_that_refill_their_arrays_or_read_the_model_train_as_bp_bptt(source, send_ahead):
+  """The source is read as bp.BPTT reads it, once the step before is dispatched. A loader that refills one pair of
+  NumPy arrays for every batch trained on the next batch's values (the feed read one batch ahead, and on a CPU a
+  step, or a copy by JAX, reads NumPy arrays after its call returns); one whose batches follow the parameters (a
+  curriculum) got them before the update before. Both now end as bp.BPTT ends (for the refilled arrays: on the
+  batches themselves, as bp.BPTT without its progress bar reads refilled arrays late too), on the CPU and with data
+  sent ahead."""
   batches = make_batches((12, 12, 12, 12), num_time=6, seed=21)
 
-  def trained(make):
+  def refilled():
+    x, y = np.empty_like(batches[0][0]), np.empty_like(batches[0][1])
+    for bx, by in batches:
+      x[...], y[...] = bx, by
+      yield x, y
+
+  def data_for(model, reference):
+    if source == 'refilled':
+      return batches if reference else refilled
+    return lambda: ((x, y * (1 + 10 * float(np.mean(params_of(model)[0])))) for x, y in batches)
+
+  def trained(make, reference):
     model = make_model('rnn')
     trainer = make(model, 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05))
     trainer.progress_bar = False
-    data = lambda: ((x, y * (1 + 10 * float(np.mean(params_of(model)[0])))) for x, y in batches)  # noqa: E731
     with overlapping(send_ahead):
-      trainer.fit(data, num_epoch=1)
+      trainer.fit(data_for(model, reference), num_epoch=1)
     return params_of(model), trainer.get_hist_metric('fit', 'loss', 'detailed')
 
-  assert_trees_close(trained(functools.partial(AccumBPTT, num_micro_batch=3)), trained(bp.BPTT))
+  expected = trained(bp.BPTT, reference=True)
+  assert_trees_close(trained(functools.partial(AccumBPTT, num_micro_batch=3), reference=False), expected)
