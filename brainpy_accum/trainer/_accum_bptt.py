@@ -31,7 +31,7 @@ from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
 from ..memory._device import Budget, is_refused_program
 from ..memory._plan_key import plan_key
 from ..memory._planner import PlannedModel, Planner
-from ._arguments import check_fit_call, check_trainer_args, warn_batch_statistics
+from ._arguments import check_fit_call, check_trainer_args, warn_inexact
 from ._compiled_steps import CompiledSteps, StepOptions, StepParts, fit_args
 from ._coupled_loss import CheckParts, FirstBatchCheck
 from ._feed import prefetch_bytes, sends_ahead
@@ -208,7 +208,7 @@ class AccumBPTT(bp.BPTT):
     self.skip_nonfinite, self.whole_batch_loss = skip_nonfinite, whole_batch_loss
     self.mesh, self.cache_folder = None if mesh is None else auto_axes(mesh), folder
     self._build_parts(budget)
-    warn_batch_statistics(self.target)
+    warn_inexact(self.target, getattr(self, '_monitors', None))
 
   def _build_parts(self, budget: Optional[Budget]) -> None:
     """The parts the trainer is made of, each handed what it calls (see the module's docstring)."""

@@ -25,7 +25,7 @@ from ..memory._device import as_fraction
 __all__ = ['BareBatchError', 'DataFirstAxisError', 'RemovedArgumentError', 'ReportCallbackError', 'carried_states',
            'check_accumulation_args', 'check_fit_call', 'check_carried_batch', 'check_carried_sizes', 'check_data',
            'check_fit_args', 'check_remat', 'check_trainer_args', 'check_update_args', 'check_whole_batch_loss',
-           'warn_batch_statistics']
+           'warn_batch_statistics', 'warn_inexact', 'warn_sample_monitors']
 
 
 class RemovedArgumentError(TypeError, NoLongerSupportError):
@@ -132,6 +132,32 @@ def check_whole_batch_loss(whole_batch_loss, grad_reduction, loss_weight_fn, acc
     raise ValueError(f'whole_batch_loss=True evaluates loss_fun once on the whole batch, so it needs no '
                      f'weighting: drop grad_reduction={grad_reduction!r} and loss_weight_fn={loss_weight_fn!r} '
                      f'(keep the defaults).')
+
+
+def warn_inexact(model, monitors: Optional[dict] = None) -> None:
+  """At construction: warn of the model's parts that micro-batches cannot make exact (batch statistics, monitors
+  that pick samples)."""
+  warn_batch_statistics(model)
+  warn_sample_monitors(model, monitors or {})
+
+
+def warn_sample_monitors(model, monitors: dict) -> None:
+  """Warn of each monitor ``(Variable, index)`` whose index picks samples: entries along axis 0 of a Variable
+  whose batch axis is 0, in batching mode. In a micro-batch it picks that micro-batch's samples, not the batch's
+  (a loss reading samples 0 and 1 reads other samples in every micro-batch), and nothing else can tell."""
+  if not isinstance(getattr(model, 'mode', None), bm.BatchingMode):
+    return
+  for name, monitor in monitors.items():
+    if not isinstance(monitor, tuple) or len(monitor) != 2 or monitor[1] is None:
+      continue
+    variable, index = monitor
+    if getattr(variable, 'batch_axis', None) == 0:
+      warnings.warn(f'Monitor {name!r} takes entries {np.asarray(index).tolist()} along axis 0 of a Variable whose '
+                    f'batch axis is 0: samples of the batch. In each micro-batch it takes that micro-batch\'s '
+                    f'samples, so a loss_fun that reads it trains another objective than bp.BPTT (with '
+                    f'whole_batch_loss=True too). Monitor the whole Variable and take the samples in loss_fun, with '
+                    f'whole_batch_loss=True, which puts the micro-batches\' monitors together first.',
+                    UserWarning, stacklevel=4)
 
 
 def warn_batch_statistics(model) -> None:

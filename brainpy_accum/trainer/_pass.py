@@ -5,6 +5,7 @@ import itertools
 import time
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sized, cast
 
+import brainpy.math as bm
 import jax
 import numpy as np
 from tqdm import tqdm
@@ -100,11 +101,21 @@ class Pass:
 
 
 def _pair(phase: str, position: int, batch) -> tuple:
-  """``(inputs, targets)`` of one batch, or an error naming the data before anything runs."""
+  """``(inputs, targets)`` of one batch, or an error naming the data before anything runs. An array of two rows
+  is a pair too (``bp.BPTT``'s ``for x, y in train_data`` unpacks a stacked array of batches, ``(n, 2, ...)``);
+  targets (or inputs) given as a Python list of numbers, which micro-batches cannot cut, are refused naming
+  ``np.asarray``."""
+  name = 'train_data' if phase == 'fit' else 'test_data'
+  if isinstance(batch, (np.ndarray, jax.Array, bm.Array)) and np.ndim(batch) >= 1 and np.shape(batch)[0] == 2:
+    batch = (batch[0], batch[1])
   if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-    name = 'train_data' if phase == 'fit' else 'test_data'
     what = f'{type(batch).__name__} of length {len(batch)}' if isinstance(batch, (tuple, list)) else type(batch).__name__
     raise ValueError(f'{name} gave a {what} as batch {position}: each batch must be a pair (inputs, targets).')
+  for part, value in zip(('inputs', 'targets'), batch):
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float, np.number)) for v in value):
+      raise ValueError(f'{name} gave {part} as a Python {type(value).__name__} of {len(value)} numbers in batch '
+                       f'{position}: micro-batches cut arrays, not lists. Give them as an array, e.g. '
+                       f'np.asarray({part}).')
   return batch[0], batch[1]
 
 

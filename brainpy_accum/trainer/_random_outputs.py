@@ -372,7 +372,9 @@ def found_reductions(undecided: Sequence, evidence: Sequence, plan: MicroBatchPl
       if how != default:
         found[path] = how
       continue
-    first = next((p for p, w in enumerate(whole) if np.all(np.isfinite(w.astype(np.float64)))), 0)
+    finite = [p for p, w in enumerate(whole) if np.all(np.isfinite(w.astype(np.float64)))] or [0]
+    # shown where the combinations fail (the first point where none fits), not where they agree
+    first = next((p for p in finite if not reductions_that_fit([whole[p]], [candidates[p]])), finite[0])
     shown = ', '.join(f'{how} {_show(c)}' for how, c in zip(AUX_REDUCTIONS, candidates[first]))
     if fits:
       why = (f'its {", ".join(fits)} over the {plan.describe_cuts()} micro-batches all equal its whole-batch value '
@@ -448,8 +450,13 @@ def warn_coupled_loss(whole: float, combined: float, plan: MicroBatchPlan, grad_
   return True
 
 
+# where the check's cut is not the one that trains (num_micro_batch='auto' checks before it plans, in two)
+CHECK_CUT = ('the check cuts the batch as its plan does, or in two where num_micro_batch=\'auto\' has not planned it '
+             'yet; a finer cut moves such a loss further from the whole batch\'s')
+
+
 def warn_coupled(what: str, point: str, statistics: Sequence[str] = ()) -> None:
-  seen = f'random outputs ({point}) in place of the model\'s, {what}'
+  seen = f'random outputs ({point}) in place of the model\'s, {what} ({CHECK_CUT})'
   if statistics:
     warnings.warn(f'loss_fun couples the samples of a batch beyond its batch statistics '
                   f'({", ".join(statistics)}, which every micro-batch sees whole): with the data of the first batch '

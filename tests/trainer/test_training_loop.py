@@ -377,3 +377,42 @@ def test_history_and_reports_equal_bptts_for_every_num_report(num_report):
   assert [(idx, phase, sorted(m)) for idx, phase, m in calls] == \
          [(idx, phase, sorted(m)) for idx, phase, m in expected_calls]
   assert_trees_close([m for _, _, m in calls], [m for _, _, m in expected_calls])
+
+
+def test_a_stacked_array_of_batches_trains_as_bptt_and_a_list_of_labels_is_named():
+  """``bp.BPTT``'s ``for x, y in train_data`` unpacks an array of stacked batches, ``(n, 2, batch, time, ...)``:
+  it was refused as 'not a pair'. Targets as a Python list of numbers, which micro-batches cannot cut, are refused
+  naming np.asarray (the message said they held no samples)."""
+  stacked = np.stack([np.stack([x, np.tile(y, (1, 1, 2))[..., :3]]) for x, y in make_batches((6, 6, 6), seed=8)])
+  results = []
+  for cls, kwargs in ((bp.BPTT, {}), (AccumBPTT, dict(num_micro_batch=4))):
+    model = make_model('rnn', n_out=3)
+    trainer = cls(model, 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False, **kwargs)
+    trainer.fit(stacked, num_epoch=1)
+    results.append((params_of(model), trainer.get_hist_metric('fit', 'loss', 'detailed')))
+  assert_trees_close(results[1], results[0])
+  x = make_batches((6,), seed=9)[0][0]
+  trainer = AccumBPTT(make_model('rnn'), 'cross_entropy_loss', num_micro_batch=2, progress_bar=False)
+  with pytest.raises(ValueError, match=r'targets as a Python list of 6 numbers in batch 0.*np.asarray\(targets\)'):
+    trainer.fit([(x, [0, 1, 0, 1, 1, 0])], num_epoch=1)
+
+
+def test_a_monitor_that_picks_samples_warns_and_the_named_fix_is_exact():
+  """``monitors={'h': (state, [0, 1])}`` takes samples 0 and 1 of the batch (BrainPy indexes the Variable's axis 0,
+  its batch axis): a loss reading it read each micro-batch's own samples, silently. The trainer warns, and its
+  fix (the whole Variable monitored, the samples taken in loss_fun, whole_batch_loss=True) trains as bp.BPTT."""
+  def loss(predicts, targets):
+    out, monitored = predicts
+    return bp.losses.mean_squared_error(out, targets) + 0.1 * jnp.mean(bm.as_jax(monitored['h'])[:2] ** 2)
+
+  model = make_model('rnn')
+  with pytest.warns(UserWarning, match=r"Monitor 'h' takes entries \[0, 1\] along axis 0 .* whole_batch_loss=True"):
+    AccumBPTT(model, loss, num_micro_batch=3, monitors={'h': (model.rnn.state, [0, 1])})
+  results = []
+  for cls, kwargs in ((bp.BPTT, {}), (AccumBPTT, dict(num_micro_batch=3, whole_batch_loss=True))):
+    model = make_model('rnn')
+    trainer = cls(model, loss, optimizer=bp.optim.Adam(lr=0.05), progress_bar=False,
+                  monitors={'h': model.rnn.state}, **kwargs)
+    trainer.fit(make_batches((12, 10), seed=5), num_epoch=1)
+    results.append((params_of(model), trainer.get_hist_metric('fit', 'loss', 'detailed')))
+  assert_trees_close(results[1], results[0])
