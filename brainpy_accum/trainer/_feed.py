@@ -126,7 +126,12 @@ def on_device(batch) -> Optional[Any]:
 
 
 _copy_at_step = on_device  # the same copy, made at the step's call (:meth:`Feed.for_step`; a seam for tests)
-_copy_held = on_device  # the same copy, where nothing goes ahead (:meth:`Feed.for_step`)
+
+
+def _host_copy(data):
+  """``data`` with its NumPy arrays copied (on the host), the rest as they are."""
+  return jax.tree_util.tree_map(lambda x: np.array(x, copy=True) if isinstance(x, np.ndarray) else x, data,
+                                is_leaf=is_array)
 
 
 def prefetch_bytes(inputs, targets) -> int:
@@ -205,18 +210,19 @@ class Fed(NamedTuple):
 class Feed:
   """The batches of one pass, as :class:`Fed` values, their units sent to the device while earlier ones run.
 
-  It reads the source as ``bp.BPTT`` does: the next batch once the batch in hand's last step is dispatched (at
-  :meth:`dispatched`, so that it can be sent while that step runs; where nothing is sent ahead, when the loop asks
-  for it), so a source may refill the same arrays for every batch, or make a batch from the model as the steps
-  before it left it. With ``ahead`` (a pass whose updates need to know its last batch: ``accumulate_steps``) it
-  reads one batch ahead of the one it yields, with :func:`~brainpy_accum.trainer._window.with_last_flag` (whose
-  behaviour it keeps: if reading the next batch fails, the batch in hand is still yielded, as not last, before
-  the error is raised); then the source may reuse a batch's host arrays only for the batch two after it. Either
-  way the copies of a batch's units are complete before the source is read on.
+  It reads the source as ``bp.BPTT`` does: the next batch when the loop asks for it, once the batch in hand is
+  stepped, recorded and reported, so a source may refill the same arrays for every batch, or make a batch from
+  the model (or from what ``fun_after_report`` set) as the steps before it left it. The first unit of the batch
+  read is then sent at once, if that batch is like the one before (same tree, shapes and dtypes: the same check
+  and plan), while the step before still runs. With ``ahead`` (a pass whose updates need to know its last batch:
+  ``accumulate_steps``) it reads one batch ahead of the one it yields, with
+  :func:`~brainpy_accum.trainer._window.with_last_flag` (whose behaviour it keeps: if reading the next batch
+  fails, the batch in hand is still yielded, as not last, before the error is raised), its first unit sent at
+  the last dispatch of the batch before; ``copy_ahead`` copies each batch as it is read. Either way the copies of
+  a batch's units are complete before the source is read on.
 
   After the loop dispatched a unit's step it calls :meth:`dispatched`, saying which unit comes next: a piece of
-  the same batch (sent into its ``sent``), or, after its last unit, the following batch's first unit, sent if
-  that batch is like the one in hand (same tree, shapes and dtypes: the same check and plan).
+  the same batch (sent into its ``sent``), or, after its last unit, the following batch's first.
 
   Parameters
   ----------
@@ -229,6 +235,9 @@ class Feed:
     piece's data, or ``None`` for a batch that runs whole; called on the batch in hand, whose plan is known.
   ahead : bool
     Read one batch ahead, so that each :class:`Fed` says whether it is the pass's ``last`` (without: never).
+  copy_ahead : bool
+    With ``ahead``: copy each batch's NumPy arrays as it is read (a source that is not a list may refill them
+    for the batch after it, which is read while this one waits).
 
   Examples
   --------
@@ -248,10 +257,10 @@ class Feed:
   """
 
   def __init__(self, batches: Iterable, sender: Sender, units: Callable[[Any, Any], Optional[list]],
-               ahead: bool = False):
+               ahead: bool = False, copy_ahead: bool = False):
     self._batches, self.sender, self._units, self._ahead = batches, sender, units, ahead
-    self._source: Optional[Iterator[Any]] = None
-    self._failed: Optional[Exception] = None  # the source's error, read at a dispatch, raised at the next batch
+    self._copy_ahead = copy_ahead
+    self._next_unit: Any = _NO_UNIT  # without ``ahead``: the next batch's unit to send as it is read, if any
     self._in_hand: Optional[Fed] = None
     self._following: Any = _NOTHING   # the batch read ahead, as the source gave it
     self._first: Dict[Optional[int], Any] = {}  # its first unit, sent ahead
@@ -266,38 +275,21 @@ class Feed:
 
   def __iter__(self) -> Iterator[Fed]:
     if self._ahead:
-      for batch, last in with_last_flag(self._read()):
+      batches = self._read() if not self._copy_ahead else map(_host_copy, self._read())
+      for batch, last in with_last_flag(batches):
         yield self._hand(batch, last)
       return
-    self._source, self._following = self._read(), _UNREAD
-    while True:
-      batch = self._read_on() if self._following is _UNREAD else self._following
-      if self._failed is not None:  # the source failed as it was read at the step's dispatch
-        error, self._failed = self._failed, None
-        raise error
-      if batch is _NOTHING:
-        return
+    for batch in self._read():  # read when the loop asks for it, its first unit sent then
+      if self._next_unit is not _NO_UNIT and _signature(batch) == _signature(self._in_hand.batch):
+        self._send(batch, self._next_unit, self._first, self._following_copies)
+      self._next_unit = _NO_UNIT
       yield self._hand(batch, False)
 
   def _hand(self, batch, last: bool) -> Fed:
     """``batch`` as the batch in hand (its first unit's copy, if it went ahead, in its ``sent``)."""
     self._in_hand = Fed(batch, last, self._first)
     self._first, self._hand_copies, self._following_copies = {}, self._following_copies, {}
-    if not self._ahead:
-      self._following = _UNREAD
     return self._in_hand
-
-  def _read_on(self, keep_error: bool = False) -> Any:
-    """Without ``ahead``: the source's next batch (:data:`_NOTHING` at its end), kept as the one read next;
-    ``keep_error``: an error of the source is raised when the loop asks for the batch, not here (at a dispatch,
-    after which the loop still records the batch in hand, as ``bp.BPTT`` records every batch it trained)."""
-    try:
-      self._following = next(self._source, _NOTHING)
-    except Exception as error:
-      if not keep_error:
-        raise
-      self._failed, self._following = error, _NOTHING
-    return self._following
 
   def _read(self) -> Iterator[Any]:
     """The source's batches, each kept as the one read ahead until the next is read."""
@@ -319,13 +311,12 @@ class Feed:
     already on the device, as they are; host data, where the feed sends data ahead, copied now, as the step would
     copy it at its call, so that :meth:`dispatched` sends the next unit once it has arrived: two copies at once share
     the link, and the step, which needs this one, would start later (on a TPU v5e each fit's first batch of 512 MB
-    took about 110 ms to arrive beside the second's copy, 55 ms alone, 2026-12-07). Where nothing is sent ahead (a
-    CPU), host data are copied too, and the copy waited for: a step called on NumPy arrays may read them after the
-    call returns (on a CPU JAX passes them without a copy), when the source may already be refilling them for the
-    next batch; the copy is the one the call would make, the same program on the same values."""
+    took about 110 ms to arrive beside the second's copy, 55 ms alone, 2026-12-07). Where nothing is sent ahead on
+    a CPU (the default there, and with a mesh), NumPy arrays are copied on the host, as NumPy arrays: a step called
+    on them on a CPU reads them after the call returns (JAX passes them without a copy), when the source may
+    already be refilling them for the next batch; the step is the same program on the same values."""
     if not self.enabled:
-      copy = _copy_held(data)
-      return data if copy is None else jax.block_until_ready(copy)
+      return _host_copy(data) if jax.default_backend() == 'cpu' else data
     copy = _copy_at_step(data)
     if copy is None:
       return data
@@ -347,11 +338,13 @@ class Feed:
     if piece is not None and piece + 1 < pieces:
       self._send(self._in_hand.batch, piece + 1, self._in_hand.sent, self._hand_copies)
       return
-    following = self._read_on(keep_error=True) if self._following is _UNREAD else self._following
-    like = None if following is _NOTHING else _signature(following)
-    if like is None or like != _signature(self._in_hand.batch):
+    unit = None if piece is None else 0  # the following batch's first unit
+    if not self._ahead:  # sent when the loop asks for that batch (:meth:`__iter__`), after this one is recorded
+      self._next_unit = unit
       return
-    self._send(following, None if piece is None else 0, self._first, self._following_copies)
+    following = self._following
+    if following is not _NOTHING and _signature(following) == _signature(self._in_hand.batch):
+      self._send(following, unit, self._first, self._following_copies)
 
   def _send(self, batch, unit: Optional[int], into: dict, copies: dict) -> None:
     """Send ``unit`` of ``batch`` (``None``: all of it) into ``into``."""
@@ -368,4 +361,4 @@ class Feed:
 
 
 _NOTHING = object()  # the source's end
-_UNREAD = object()  # the next batch, not read yet
+_NO_UNIT = object()  # no unit of the next batch to send as it is read

@@ -135,7 +135,7 @@ class FitLoop:
     """One pass: each batch started, planned, stepped, recorded and reported."""
     one.start(self.view.settings.show_bars, Sender(enabled=not self.view.settings.on_mesh), self._pieces)
     try:
-      for batch in one.batches(self.view.hooks.check_batch):
+      for batch in one.batches(self.view.hooks.check_batch, stop):
         self._start(one, batch)
         streamed = self.view.planner.is_streamed(batch.size, batch.on_device)
         loss, aux = self._streamed(one, batch) if streamed else self._whole(one, batch)

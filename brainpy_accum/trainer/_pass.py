@@ -1,6 +1,7 @@
 """One pass of :meth:`AccumBPTT.fit` over a phase's data (:class:`Pass`), and each phase's losses and metrics
 as :class:`brainpy.BPTT` keeps them (:class:`PhaseLog`)."""
 
+import collections.abc
 import itertools
 import time
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sized, cast
@@ -72,12 +73,18 @@ class Pass:
     """Open the progress bar (for data with a length) and the feed."""
     if show_bar and hasattr(self._batches, '__len__'):
       self.bar = tqdm(total=len(cast(Sized, self._batches)), initial=self.skip)
-    self.feed = Feed(itertools.islice(self._batches, self.skip, None), sender, units, ahead=self.every > 1)
+    reusable = not isinstance(self._batches, (collections.abc.Sequence, np.ndarray))  # a source may refill them
+    self.feed = Feed(itertools.islice(self._batches, self.skip, None), sender, units, ahead=self.every > 1,
+                     copy_ahead=reusable)
 
-  def batches(self, check_batch: Callable[[Any, Any], Any]) -> Iterator[Batch]:
+  def batches(self, check_batch: Callable[[Any, Any], Any], stop=None) -> Iterator[Batch]:
     """The pass's batches, each checked (``check_batch(inputs, targets) -> layout``, which raises before
-    anything changes)."""
+    anything changes). ``stop``: a :class:`~brainpy_accum.checkpoint._resume.StopRequest` checked as each batch is
+    read: a signal that came while the source made it stops before it trains (``bp.BPTT``'s Ctrl-C comes out of
+    the source), the batch to be read again on resuming."""
     for position, fed in enumerate(self.feed, start=self.skip):
+      if stop is not None:
+        stop.check()
       inputs, targets = _pair(self.phase, position, fed.batch)
       yield Batch(position, inputs, targets, check_batch(inputs, targets), fed.last, fed.sent)
 

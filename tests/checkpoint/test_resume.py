@@ -89,7 +89,7 @@ BATCHES = make_batches((4, 4, 3, 4, 4, 2))
 
 def _signalling(batches, at: int, signum=signal.SIGINT):
   """The batches, sending ``signum`` to this process while fetching batch ``at`` (fit reads it once batch
-  ``at - 1``'s step is dispatched, as bp.BPTT reads; batch ``at`` is then the batch in hand, and is trained)."""
+  ``at - 1`` is recorded, as bp.BPTT reads; a signal that comes then stops fit before batch ``at`` trains)."""
   def data():
     for i, batch in enumerate(batches):
       if i == at:
@@ -112,8 +112,8 @@ def test_ctrl_c_finishes_the_batch_then_stops_with_a_checkpoint(tmp_path, ctrl_c
   with pytest.raises(KeyboardInterrupt):
     trainer.fit(_signalling(BATCHES, at=4), num_epoch=2, num_report=1, checkpoint=checkpoint)
   partial = _trainer()
-  # batches 0-4: the signal came as batch 4 was read (after batch 3's step, as bp.BPTT reads), and it is trained
-  partial.fit(BATCHES[:5], num_epoch=1, num_report=1)
+  # batches 0-3: the signal came as batch 4 was read (after batch 3 was recorded, as bp.BPTT reads): not trained
+  partial.fit(BATCHES[:4], num_epoch=1, num_report=1)
   assert_trees_close(params_of(trainer.target), params_of(partial.target))
   np.testing.assert_allclose(trainer.train_losses, partial.train_losses, rtol=1e-6)
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, 'the Ctrl-C handler is restored'
@@ -150,8 +150,8 @@ def test_a_checkpoint_inside_a_window_is_not_resumed_without_one(tmp_path, ctrl_
   """Saved between the batches of one update, the window's sums are part of the run: a trainer without a window
   would drop them, so it refuses the checkpoint, naming accumulate_steps, before anything changes."""
   checkpoint = tmp_path / 'run.ckpt'
-  with pytest.raises(KeyboardInterrupt):  # batches 0-2 run: the window holds batch 2
-    _trainer(accumulate_steps=2).fit(_signalling(BATCHES, at=3), num_epoch=1, checkpoint=checkpoint)
+  with pytest.raises(KeyboardInterrupt):  # batches 0-2 run (batch 4 read ahead as batch 3 came): the window holds 2
+    _trainer(accumulate_steps=2).fit(_signalling(BATCHES, at=4), num_epoch=1, checkpoint=checkpoint)
   other = _trainer()
   before = params_of(other.target)
   with pytest.raises(ValueError, match='holds the sums of an accumulate_steps window not yet applied.*resume with '
@@ -229,7 +229,7 @@ def test_ignored_ctrl_c_stays_ignored_and_a_handler_that_returns_ends_fit_early(
     checkpoint = tmp_path / 'run.ckpt'
     stopped = _trainer()
     stopped.fit(_signalling(BATCHES, at=2), num_epoch=1, num_report=1, checkpoint=checkpoint)
-    assert calls == [signal.SIGINT] and len(stopped.train_losses) == 3  # batch 2, read as the signal came
+    assert calls == [signal.SIGINT] and len(stopped.train_losses) == 2
     stopped.fit(BATCHES, num_epoch=1, num_report=1, checkpoint=checkpoint)
     assert_trees_close(params_of(stopped.target), params_of(whole.target))
   finally:

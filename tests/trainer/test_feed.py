@@ -131,8 +131,9 @@ def test_checkpoints_and_resume_with_batches_sent_ahead(sent, tmp_path):
   without = resumed(False, tmp_path / 'without')
   assert not sent
   with_overlap = resumed(True, tmp_path / 'with')
-  # the 2nd to 4th batches before the stop (the 4th unused), on resuming (at the 3rd) the 4th to 6th, epoch 2
-  assert len(sent) == 3 + 3 + 5
+  # the 2nd and 3rd batches before the stop (at the 3rd's report: the 4th is not read), on resuming (at the 3rd)
+  # the 4th to 6th, epoch 2
+  assert len(sent) == 2 + 3 + 5
   assert_trees_close(with_overlap, without, **EXACT)  # (resuming as training straight through: test_resume.py)
 
 
@@ -215,9 +216,10 @@ def test_data_already_on_the_device_is_not_copied(sent, monkeypatch):
   assert not sent and all(x is bx and y is by for (x, y), (bx, by) in zip(stepped, batches))
 
 
-def test_a_generator_is_read_at_most_one_batch_ahead(sent):
-  """When batch k's step has run (its report), the source has given batch k + 1 and no more, as before; and
-  the batches sent ahead are those the source gave."""
+def test_a_generator_is_read_as_bptt_reads_it(sent):
+  """At batch k's report the source has given batches up to k and no more, as bp.BPTT reads it (the next batch is
+  read once the loop asks for it, then sent ahead while the step before runs: it used to be read at the step's
+  dispatch, before the report); the batches sent ahead are those the source gave."""
   read = []
 
   def source():
@@ -228,7 +230,7 @@ def test_a_generator_is_read_at_most_one_batch_ahead(sent):
   seen = []
   trainer = AccumBPTT(make_model('rnn'), 'mean_squared_error', num_micro_batch=2, progress_bar=False)
   trainer.fit(source, num_epoch=1, num_report=1, fun_after_report=lambda idx, m, phase: seen.append((idx, len(read))))
-  assert seen == [(1, 2), (2, 3), (3, 4), (4, 5), (5, 5)]
+  assert seen == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)]
   assert len(sent) == 4
 
 
@@ -484,7 +486,7 @@ def _pieces_budget(model: str, batch) -> int:
                                   pytest.param('generator', marks=pytest.mark.long)])
 def test_pieces_sent_ahead_train_as_bptt(sent, data):
   """NumPy batches streamed in pieces, each sent while the one before computes: the update of the whole batch,
-  for a ragged last batch (a piece plan of its own), dict inputs, and a generator read at most one batch ahead."""
+  for a ragged last batch (a piece plan of its own), dict inputs, and a generator read as bp.BPTT reads it."""
   model = 'dict_rnn' if data == 'dict' else 'rnn'
   batches = make_batches((16, 16, 16, 11) if data == 'ragged' else (16,) * 3, seed=21, dict_inputs=data == 'dict')
   read = []
@@ -500,8 +502,8 @@ def test_pieces_sent_ahead_train_as_bptt(sent, data):
   trainer.fit(source if data == 'generator' else batches, num_epoch=2, num_report=1,
               fun_after_report=lambda idx, metrics, phase: seen.append(len(read)))
   assert 16 in trainer.stream_chunks and trainer.stream_chunks[16] < 16 and sent
-  if data == 'generator':  # at each report of epoch 2 the source had given that batch and one more at most
-    assert [n - 3 for n in seen[3:]] == [2, 3, 3]
+  if data == 'generator':  # at each report of epoch 2 the source had given that batch, no more
+    assert [n - 3 for n in seen[3:]] == [1, 2, 3]
   expected = bp.BPTT(make_model(model), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
   expected.fit(batches, num_epoch=2, num_report=1)
   assert_trees_close(params_of(trainer.target), params_of(expected.target))
@@ -595,3 +597,35 @@ def test_sources_that_refill_their_arrays_or_read_the_model_train_as_bp_bptt(sou
 
   expected = trained(bp.BPTT, reference=True)
   assert_trees_close(trained(functools.partial(AccumBPTT, num_micro_batch=3), reference=False), expected)
+
+
+def test_a_refilling_source_with_accumulate_steps_and_a_report_that_sets_the_next_batch():
+  """With accumulate_steps the pass reads one batch ahead (to know its last): a source refilling one pair of arrays
+  trained batch k on batch k + 1's values (batch 0 never); each batch is now copied as it is read. Without it, data
+  sent ahead: the next batch used to be read before the batch in hand's report, so a source that follows what
+  fun_after_report sets (a curriculum's level) made it one report late."""
+  batches = make_batches((8, 8, 8, 8, 8, 5), num_time=6, seed=22)
+
+  def refilled():
+    x, y = np.empty((8,) + batches[0][0].shape[1:], np.float32), np.empty((8,) + batches[0][1].shape[1:], np.float32)
+    for bx, by in batches:
+      x[:len(bx)], y[:len(by)] = bx, by
+      yield x[:len(bx)], y[:len(by)]
+
+  accumulated = AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05),
+                          num_micro_batch=3, accumulate_steps=2, progress_bar=False)
+  accumulated.fit(refilled, num_epoch=1)
+  reference = bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05), progress_bar=False)
+  reference.fit([tuple(np.concatenate(p) for p in zip(*batches[i:i + 2])) for i in (0, 2, 4)], num_epoch=1)
+  assert_trees_close(params_of(accumulated.target), params_of(reference.target))
+
+  def by_level(trainer):
+    level = [1.]
+    data = lambda: ((x * level[0], y) for x, y in batches[:4])  # noqa: E731
+    trainer.fit(data, num_epoch=1, num_report=1, fun_after_report=lambda *_: level.__setitem__(0, level[0] + 1))
+    return params_of(trainer.target), trainer.get_hist_metric('fit', 'loss', 'detailed')
+
+  expected = by_level(bp.BPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05),
+                              progress_bar=False))
+  assert_trees_close(by_level(AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05),
+                                        num_micro_batch=3, progress_bar=False)), expected)
