@@ -205,7 +205,7 @@ def check_data(name: str, data) -> None:
   """Reject a bare ``(X, Y)`` pair, which :meth:`fit` would otherwise iterate sample by sample."""
   if callable(data):
     return
-  if not hasattr(data, '__iter__'):
+  if not hasattr(data, '__iter__') and not hasattr(data, '__getitem__'):  # (Python iterates either)
     raise TypeError(f'{name} must be an iterable of (inputs, targets) batches or a callable returning one; '
                     f'got {type(data).__name__}.')
   if isinstance(data, (tuple, list)) and len(data) == 2 and all(hasattr(d, 'shape') or isinstance(d, dict)

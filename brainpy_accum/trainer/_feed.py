@@ -46,7 +46,7 @@ from ..memory._device import device_memory
 from ..memory._switch import DeviceSwitch
 from ._window import with_last_flag
 
-__all__ = ['Feed', 'Fed', 'Sender', 'on_device', 'overlapping', 'prefetch_bytes', 'sends_ahead']
+__all__ = ['Feed', 'Fed', 'Sender', 'as_pair', 'on_device', 'overlapping', 'prefetch_bytes', 'sends_ahead']
 
 _OVERLAP = DeviceSwitch(lambda: jax.default_backend() != 'cpu')  # :func:`overlapping` sets it for tests and benches
 # Of the device's limit, left free beside a unit sent ahead (allocations near a full device stall on a TPU).
@@ -126,6 +126,14 @@ def on_device(batch) -> Optional[Any]:
 
 
 _copy_at_step = on_device  # the same copy, made at the step's call (:meth:`Feed.for_step`; a seam for tests)
+
+
+def as_pair(batch):
+  """A batch as the source gave it, an array of two rows as its pair (``bp.BPTT``'s ``for x, y in train_data``
+  unpacks a stacked array of batches, ``(n, 2, ...)``, so); any other batch as it is."""
+  if isinstance(batch, (np.ndarray, jax.Array)) and np.ndim(batch) >= 1 and np.shape(batch)[0] == 2:
+    return batch[0], batch[1]
+  return batch
 
 
 def _host_copy(data):
@@ -303,7 +311,7 @@ class Feed:
         batch = next(iterator)
       except StopIteration:
         return
-      self._following = batch
+      self._following = batch = as_pair(batch)
       yield batch
 
   def for_step(self, data, unit: Optional[int] = None):

@@ -1,12 +1,10 @@
 """One pass of :meth:`AccumBPTT.fit` over a phase's data (:class:`Pass`), and each phase's losses and metrics
 as :class:`brainpy.BPTT` keeps them (:class:`PhaseLog`)."""
 
-import collections.abc
 import itertools
 import time
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sized, cast
 
-import brainpy.math as bm
 import jax
 import numpy as np
 from tqdm import tqdm
@@ -40,7 +38,8 @@ class Batch(NamedTuple):
   @property
   def data(self) -> tuple:
     """``(inputs, targets)`` for the step: the copy sent ahead, else as the data gave them."""
-    return self.sent.get(None) or (self.inputs, self.targets)
+    sent = self.sent.get(None)
+    return (self.inputs, self.targets) if sent is None else sent
 
 
 class Pass:
@@ -73,7 +72,7 @@ class Pass:
     """Open the progress bar (for data with a length) and the feed."""
     if show_bar and hasattr(self._batches, '__len__'):
       self.bar = tqdm(total=len(cast(Sized, self._batches)), initial=self.skip)
-    reusable = not isinstance(self._batches, (collections.abc.Sequence, np.ndarray))  # a source may refill them
+    reusable = not isinstance(self._batches, (list, tuple, np.ndarray))  # a source that may refill its arrays
     self.feed = Feed(itertools.islice(self._batches, self.skip, None), sender, units, ahead=self.every > 1,
                      copy_ahead=reusable)
 
@@ -108,13 +107,10 @@ class Pass:
 
 
 def _pair(phase: str, position: int, batch) -> tuple:
-  """``(inputs, targets)`` of one batch, or an error naming the data before anything runs. An array of two rows
-  is a pair too (``bp.BPTT``'s ``for x, y in train_data`` unpacks a stacked array of batches, ``(n, 2, ...)``);
-  targets (or inputs) given as a Python list of numbers, which micro-batches cannot cut, are refused naming
-  ``np.asarray``."""
+  """``(inputs, targets)`` of one batch, or an error naming the data before anything runs (an array of two rows
+  is a pair already: :func:`~brainpy_accum.trainer._feed.as_pair`); targets (or inputs) given as a Python list of
+  numbers, which micro-batches cannot cut, are refused naming ``np.asarray``."""
   name = 'train_data' if phase == 'fit' else 'test_data'
-  if isinstance(batch, (np.ndarray, jax.Array, bm.Array)) and np.ndim(batch) >= 1 and np.shape(batch)[0] == 2:
-    batch = (batch[0], batch[1])
   if not isinstance(batch, (tuple, list)) or len(batch) != 2:
     what = f'{type(batch).__name__} of length {len(batch)}' if isinstance(batch, (tuple, list)) else type(batch).__name__
     raise ValueError(f'{name} gave a {what} as batch {position}: each batch must be a pair (inputs, targets).')

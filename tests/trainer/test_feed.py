@@ -629,3 +629,26 @@ def test_a_refilling_source_with_accumulate_steps_and_a_report_that_sets_the_nex
                               progress_bar=False))
   assert_trees_close(by_level(AccumBPTT(make_model('rnn'), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05),
                                         num_micro_batch=3, progress_bar=False)), expected)
+
+
+@pytest.mark.parametrize('form', ['stacked array', 'getitem only'])
+def test_sources_python_iterates_train_as_bp_bptt_with_data_sent_ahead(form):
+  """A stacked NumPy array of batches, ``(n, 2, ...)``, sent ahead whole, failed on its truth value; a class with
+  only ``__getitem__`` and ``__len__`` (which Python, and bp.BPTT, iterate) was refused as not iterable."""
+  batches = make_batches((6, 6, 6), num_time=5, n_out=3, seed=23)
+
+  class Indexed:
+    def __len__(self):
+      return len(batches)
+
+    def __getitem__(self, i):
+      return batches[i]
+
+  data = np.stack([np.stack(batch) for batch in batches]) if form == 'stacked array' else Indexed()
+  results = []
+  for make in (bp.BPTT, functools.partial(AccumBPTT, num_micro_batch=3)):
+    trainer = make(make_model('rnn', n_out=3), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05),
+                   progress_bar=False)
+    trainer.fit(batches if make is bp.BPTT else data, num_epoch=1)
+    results.append((params_of(trainer.target), trainer.get_hist_metric('fit', 'loss', 'detailed')))
+  assert_trees_close(results[1], results[0])
