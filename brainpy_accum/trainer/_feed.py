@@ -226,8 +226,8 @@ class Feed:
   ``accumulate_steps``) it reads one batch ahead of the one it yields, with
   :func:`~brainpy_accum.trainer._window.with_last_flag` (whose behaviour it keeps: if reading the next batch
   fails, the batch in hand is still yielded, as not last, before the error is raised), its first unit sent at
-  the last dispatch of the batch before; ``copy_ahead`` copies each batch as it is read. Either way the copies of
-  a batch's units are complete before the source is read on.
+  the last dispatch of the batch before. Either way the copies of a batch's units are complete before the source
+  is read on, and a source that ``refills`` its arrays has each batch copied before it is read on.
 
   After the loop dispatched a unit's step it calls :meth:`dispatched`, saying which unit comes next: a piece of
   the same batch (sent into its ``sent``), or, after its last unit, the following batch's first.
@@ -243,9 +243,10 @@ class Feed:
     piece's data, or ``None`` for a batch that runs whole; called on the batch in hand, whose plan is known.
   ahead : bool
     Read one batch ahead, so that each :class:`Fed` says whether it is the pass's ``last`` (without: never).
-  copy_ahead : bool
-    With ``ahead``: copy each batch's NumPy arrays as it is read (a source that is not a list may refill them
-    for the batch after it, which is read while this one waits).
+  refills : bool
+    The source may refill a batch's arrays for the next (it is not a list, tuple or array): each batch's NumPy
+    arrays are copied, with ``ahead`` as it is read (the next is read while it waits), else on a CPU at its step
+    (a step on a CPU reads NumPy arguments after its call returns).
 
   Examples
   --------
@@ -265,9 +266,9 @@ class Feed:
   """
 
   def __init__(self, batches: Iterable, sender: Sender, units: Callable[[Any, Any], Optional[list]],
-               ahead: bool = False, copy_ahead: bool = False):
+               ahead: bool = False, refills: bool = False):
     self._batches, self.sender, self._units, self._ahead = batches, sender, units, ahead
-    self._copy_ahead = copy_ahead
+    self._refills = refills
     self._next_unit: Any = _NO_UNIT  # without ``ahead``: the next batch's unit to send as it is read, if any
     self._in_hand: Optional[Fed] = None
     self._following: Any = _NOTHING   # the batch read ahead, as the source gave it
@@ -283,8 +284,7 @@ class Feed:
 
   def __iter__(self) -> Iterator[Fed]:
     if self._ahead:
-      batches = self._read() if not self._copy_ahead else map(_host_copy, self._read())
-      for batch, last in with_last_flag(batches):
+      for batch, last in with_last_flag(self._read()):
         yield self._hand(batch, last)
       return
     for batch in self._read():  # read when the loop asks for it, its first unit sent then
@@ -311,7 +311,8 @@ class Feed:
         batch = next(iterator)
       except StopIteration:
         return
-      self._following = batch = as_pair(batch)
+      batch = as_pair(batch)
+      self._following = batch = _host_copy(batch) if self._ahead and self._refills else batch
       yield batch
 
   def for_step(self, data, unit: Optional[int] = None):
@@ -320,11 +321,13 @@ class Feed:
     copy it at its call, so that :meth:`dispatched` sends the next unit once it has arrived: two copies at once share
     the link, and the step, which needs this one, would start later (on a TPU v5e each fit's first batch of 512 MB
     took about 110 ms to arrive beside the second's copy, 55 ms alone, 2026-12-07). Where nothing is sent ahead on
-    a CPU (the default there, and with a mesh), NumPy arrays are copied on the host, as NumPy arrays: a step called
-    on them on a CPU reads them after the call returns (JAX passes them without a copy), when the source may
-    already be refilling them for the next batch; the step is the same program on the same values."""
+    a CPU (the default there, and with a mesh), the NumPy arrays of a source that ``refills`` them (not read ahead)
+    are copied on the host, as NumPy arrays: a step called on them on a CPU reads them after the call returns (JAX
+    passes them without a copy), when the source may already be refilling them for the next batch; the step is the
+    same program on the same values."""
     if not self.enabled:
-      return _host_copy(data) if jax.default_backend() == 'cpu' else data
+      copied = self._refills and not self._ahead and jax.default_backend() == 'cpu'
+      return _host_copy(data) if copied else data
     copy = _copy_at_step(data)
     if copy is None:
       return data

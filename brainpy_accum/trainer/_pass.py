@@ -72,9 +72,9 @@ class Pass:
     """Open the progress bar (for data with a length) and the feed."""
     if show_bar and hasattr(self._batches, '__len__'):
       self.bar = tqdm(total=len(cast(Sized, self._batches)), initial=self.skip)
-    reusable = not isinstance(self._batches, (list, tuple, np.ndarray))  # a source that may refill its arrays
+    refills = not isinstance(self._batches, (list, tuple, np.ndarray))  # a source that may refill its arrays
     self.feed = Feed(itertools.islice(self._batches, self.skip, None), sender, units, ahead=self.every > 1,
-                     copy_ahead=reusable)
+                     refills=refills)
 
   def batches(self, check_batch: Callable[[Any, Any], Any], stop=None) -> Iterator[Batch]:
     """The pass's batches, each checked (``check_batch(inputs, targets) -> layout``, which raises before
