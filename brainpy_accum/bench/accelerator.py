@@ -46,7 +46,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import brainpy as bp
 import brainstate
@@ -367,21 +367,24 @@ def measure_device(workloads: Sequence[str] = WORKLOADS, shape: Shape = ACCELERA
                    batches: Sequence[int] = ACCELERATOR['batches'], epoch: int = 8, rounds: int = 3,
                    budget: Optional[int] = None, peak_size: Optional[int] = None,
                    done_batch: Optional[Callable[[dict], None]] = None,
-                   bptt_refused: Optional[Dict[str, int]] = None) -> dict:
+                   bptt_refused: Optional[Dict[str, Tuple[int, str]]] = None) -> dict:
   """Every workload at every batch size (:func:`measure_batch`), with the device, its peak and the settings;
   ``done_batch(run)`` receives the run so far after each batch size (a run cut short keeps what it measured).
   ``bptt_refused``: per workload, the smallest batch whose bp.BPTT step an earlier call of the same settings found
-  too large for the device: bp.BPTT is not tried again at it or above (its reference is the stored one)."""
+  too large for the device, and what the device said: bp.BPTT is not tried again at it or above (its reference is
+  the stored one), and its row says where it was refused (at that batch, with the device's words)."""
   run = {'shape': list(shape), 'batches': list(batches), 'epoch': epoch, 'rounds': rounds, 'budget': budget,
          'peak': measure_peak(peak_size), 'rows': []}
   for workload in workloads:
-    refused = (bptt_refused or {}).get(workload)
+    refused, said = (bptt_refused or {}).get(workload, (None, ''))
     for batch in sorted(batches):
       bptt_fits = refused is None or batch < refused
       done = measure_batch(workload, shape._replace(batch=batch), epoch, rounds, budget, bptt_fits)
       gc.collect()  # the trainers of this batch size and their executables leave the device
-      if done[0]['fits'] is False and (refused is None or batch < refused):
-        refused = batch
+      if not bptt_fits and done[0]['error'] == BPTT_SKIPPED:
+        done[0]['error'] = said if batch == refused else f'not tried: its step was refused at batch {refused}'
+      elif done[0]['fits'] is False and (refused is None or batch < refused):
+        refused, said = batch, done[0]['error'] or BPTT_SKIPPED
       for row in done:
         speeds = ', '.join(f'{k} {v:,.0f}' for k, v in row['samples_per_s'].items())
         print(f"{workload} B={batch:<6} {row['trainer']:18} fits={row['fits']!s:5} {row.get('plan', '')}: "
@@ -480,8 +483,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
   return write(run)
 
 
-def stored_refusals(out: str, facts: dict, settings: dict) -> Dict[str, int]:
-  """Per workload, the smallest batch whose bp.BPTT step the device refused, in the run that ``out``'s
+def stored_refusals(out: str, facts: dict, settings: dict) -> Dict[str, Tuple[int, str]]:
+  """Per workload, the smallest batch whose bp.BPTT step the device refused and the row's words for it
+  (``'stored: RESOURCE_EXHAUSTED ...'``), in the run that ``out``'s
   accelerator.json holds for this device with the same ``settings`` (shape, epoch, rounds, budget): a call that
   measures larger batches reuses bp.BPTT's reference instead of compiling its refused step again."""
   stored = os.path.join(out, 'accelerator.json')
@@ -491,10 +495,11 @@ def stored_refusals(out: str, facts: dict, settings: dict) -> Dict[str, int]:
     before = json.load(f).get('runs', {}).get(_key(facts))
   if not before or any(before.get(k) != v for k, v in settings.items()):
     return {}
-  refused: Dict[str, int] = {}
-  for row in before['rows']:
-    if row['trainer'] == 'bp.BPTT' and row['fits'] is False and memory_refusal(ValueError(row['error'] or '')):
-      refused[row['workload']] = min(row['batch'], refused.get(row['workload'], row['batch']))
+  refused: Dict[str, Tuple[int, str]] = {}
+  for row in sorted(before['rows'], key=lambda row: -row['batch']):
+    said = memory_refusal(ValueError(row['error'] or ''))
+    if row['trainer'] == 'bp.BPTT' and row['fits'] is False and said:
+      refused[row['workload']] = (row['batch'], said if said.startswith('stored: ') else f'stored: {said}')
   return refused
 
 

@@ -127,7 +127,13 @@ def test_calls_of_a_subset_add_their_rows_and_reuse_the_stored_bptt_refusal(tmp_
   _, run, rows = _rows(tmp_path)
   assert sorted({batch for _, batch, _ in rows}) == [8, 16, 32] and len(run['commands']) == 2
   assert run['feed'] == [{'label': 'a feed run'}]
-  assert rows['rnn_ce', 32, 'bp.BPTT']['error'] == device.BPTT_SKIPPED
+  assert rows['rnn_ce', 32, 'bp.BPTT']['error'] == 'not tried: its step was refused at batch 16'
+  device.main(['--quick', '--workloads', 'rnn_ce', '--batches', '16', '--out', str(tmp_path)])
+  assert calls[-1] == (16, False)  # the refused batch itself: its row keeps the device's words, marked stored
+  _, _, rows = _rows(tmp_path)
+  assert rows['rnn_ce', 16, 'bp.BPTT']['error'] == 'stored: ' + REFUSAL
+  device.main(['--quick', '--workloads', 'rnn_ce', '--batches', '32', '--out', str(tmp_path)])
+  assert calls[-1] == (32, False)  # and a later call still finds the refusal
   device.main(['--quick', '--workloads', 'rnn_ce', '--batches', '16', '--rounds', '3', '--out', str(tmp_path)])
   assert calls[-1] == (16, True)  # other settings: nothing reused
 
