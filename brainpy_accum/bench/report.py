@@ -379,7 +379,8 @@ def _workload_table(workload: str, rows: List[dict], peak: dict, fit_gives: str)
              ("AccumBPTT fit's NumPy / bp.BPTT's NumPy", ratio(('AccumBPTT', fit_gives), ('bp.BPTT', WITH_STEP))),
              ('AccumBPTT / bp.BPTT, device', ratio(('AccumBPTT', DEVICE), ('bp.BPTT', DEVICE))),
              ('AccumBPTT / plain JAX, device', ratio(('AccumBPTT', DEVICE), ('plain JAX + optax', DEVICE)))]
-    out.append(f'- B={batch}: ' + '; '.join(f'{name} {value:.2f}' for name, value in cells if value is not None))
+    cells = [f'{name} {value:.2f}' for name, value in cells if value is not None]
+    out += [f'- B={batch}: ' + '; '.join(cells)] if cells else []  # (a batch with no second speed to set against)
   errors = [r for r in rows if r['error'] or r.get('run_error') or r.get('plan_error')]
   if errors:
     out += ['', 'What did not run:', '']
@@ -468,8 +469,8 @@ the first-batch check, the steps' compilations outside planning, and the runs wi
 "beside" is the check compiling on its own thread. AccumBPTT's first epoch is set against bp.BPTT's at the same
 batch, or, where bp.BPTT does not fit, at its largest batch that does (marked `*`). Since 5f5b383 a throwaway
 model is built and reset at each batch size before the first fits, so that the model's own small programs are
-compiled before either trainer is timed (on the TPU v5e, the rows of 2,048, 4,096 and 32,768 of 2026-12-07 14:23
-UTC); before, bp.BPTT, timed first, held them for both. `--host-copy 4 8 16` measures,
+compiled before either trainer is timed (on the TPU v5e, every row measured since 2026-12-07 14:23 UTC); before,
+bp.BPTT, timed first, held them for both. `--host-copy 4 8 16` measures,
 in plain JAX, a piece's copy to the device out of host arrays of those sizes (GB): directly (one copy: fit's
 way since 01c77a9; 8 threads before it), from 4 or 8 threads, staged in a reused or a fresh host buffer, and
 through JAX's `pinned_host` memory, from slices written just before, written once before any copy (a batch made
