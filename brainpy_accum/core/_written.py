@@ -43,7 +43,7 @@ import numpy as np
 
 from ._combine import same_type
 
-__all__ = ['WriteEvidence', 'WriteReport', 'Written', 'apart_across_devices', 'fingerprint', 'host_callbacks_run',
+__all__ = ['WriteEvidence', 'WriteReport', 'Written', 'apart_across_devices', 'fingerprint', 'host_callbacks_run', 'progress_bars_run',
            'is_trainable', 'kept_last', 'restart', 'values_before', 'written_by']
 
 
@@ -286,6 +286,14 @@ def host_callbacks_run() -> bool:
     return bool(jax.devices('cpu'))
   except RuntimeError:
     return False
+
+
+def progress_bars_run(variables) -> bool:
+  """Whether BrainPy's per-time-step progress bar, an ordered host callback compiled into the run, can run in a
+  program over ``variables``: JAX has a CPU backend (:func:`host_callbacks_run`) and none of them is laid over
+  several devices (as ``fit`` on a mesh leaves the parameters: JAX refuses ordered effects in such a program)."""
+  spread = any(len(getattr(getattr(var.value, 'sharding', None), 'device_set', ())) > 1 for var in variables)
+  return not spread and host_callbacks_run()
 
 
 def _is_batch_statistic(state) -> bool:

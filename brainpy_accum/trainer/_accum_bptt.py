@@ -24,7 +24,7 @@ from ..core._cut import MicroBatchPlan, as_int
 from ..core._mesh import auto_axes, check_mesh, mesh_size, place, random_states
 from ..core._shared_env import restores_shared_env
 from ..core._states import batched_variables
-from ..core._written import host_callbacks_run
+from ..core._written import progress_bars_run
 from ..diagnostics._compiles import Compilations
 from ..memory._budget import argument_bytes, compiled_step_bytes, fixed_bytes_at_least
 from ..memory._cache import PlanCache, cache_folder, use_compilation_cache
@@ -519,9 +519,9 @@ class AccumBPTT(bp.BPTT):
 
   def predict(self, inputs: Any, reset_state: bool = False, shared_args: Optional[Dict] = None,
               eval_time: bool = False):
-    """:meth:`brainpy.BPTT.predict`; where JAX has no CPU backend (``JAX_PLATFORMS=tpu``), without its per-time-step
-    progress bar, whose host callback inside the compiled run could not run there."""
-    with contextlib.nullcontext() if not self.progress_bar or host_callbacks_run() else self._quiet():
+    """:meth:`brainpy.BPTT.predict`; without its per-time-step progress bar where its host callback could not run:
+    JAX has no CPU backend (``JAX_PLATFORMS=tpu``), or ``fit`` laid the parameters over a mesh's devices."""
+    with contextlib.nullcontext() if not self.progress_bar or progress_bars_run(self._variables()) else self._quiet():
       return super().predict(inputs, reset_state=reset_state, shared_args=shared_args, eval_time=eval_time)
 
   @restores_shared_env  # the time step's bp.share.save(i=..., t=..., **shared_args) holds tracers: gone at its end

@@ -262,7 +262,8 @@ def test_devices_benchmark_measures():
 
 
 def test_stateful_chunks_and_predict_over_devices(mesh):
-  """reset_state=False carries each sample's state on its device; predict after fit sees the same model."""
+  """reset_state=False carries each sample's state on its device; predict after fit sees the same model, with its
+  progress bar asked for (an ordered host callback: JAX refuses it in a program over the mesh's devices)."""
   results = []
   for cls, kwargs in ((bp.BPTT, {}), (AccumBPTT, {'num_micro_batch': 2, 'mesh': mesh})):
     model = make_model('snn')
@@ -271,6 +272,7 @@ def test_stateful_chunks_and_predict_over_devices(mesh):
     model.reset(16)
     trainer.fit(make_batches((16, 16, 16)), num_epoch=1, reset_state=False)
     state = [np.asarray(model.lif.V), np.asarray(model.lif.t_last_spike)]
+    trainer.progress_bar = True
     predicted = np.asarray(trainer.predict(make_batches((8,), seed=3)[0][0], reset_state=True))
     results.append((params_of(model), np.asarray(trainer.train_losses), state, predicted))
   assert_trees_close(results[1], results[0])

@@ -113,8 +113,8 @@ def test_predict_drops_its_progress_bar_where_no_host_callback_can_run(monkeypat
   """bp.BPTT's ``predict`` updates its per-time-step progress bar by a host callback inside the compiled run,
   which fails where JAX has no CPU backend (the demo under JAX_PLATFORMS=tpu did, on the TPU v5e): there
   ``predict`` runs without the bar, and gives what it gives with it."""
-  from brainpy_accum.trainer import _accum_bptt
-  monkeypatch.setattr(_accum_bptt, 'host_callbacks_run', lambda: callbacks_run)
+  from brainpy_accum.core import _written
+  monkeypatch.setattr(_written, 'host_callbacks_run', lambda: callbacks_run)
   trainer = AccumBPTT(build('clip'), bp.losses.mean_squared_error, num_micro_batch=2)  # progress_bar on
   x, _ = data()
   with warnings.catch_warnings():
