@@ -107,7 +107,7 @@ def _full_only(_, run_full, run_short, *operands):
 def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], plan: MicroBatchPlan,
                states: Sequence = (), grads_like: Any = None, samples_like: Any = None,
                sample_axes: Optional[Sequence[Optional[int]]] = None, metrics: Optional[MetricPlan] = None,
-               report: Optional[WriteReport] = None) -> Sums:
+               report: Optional[WriteReport] = None, scan_one: bool = False) -> Sums:
   """Run ``micro_fn(micro_args, size) -> MicroResult`` on every micro-batch of ``plan``; return the weighted sums.
 
   ``axes``: the batch axis of each leaf of ``args`` (``None``: passed whole). ``states``: ``(State, axis)``
@@ -123,9 +123,13 @@ def accumulate(micro_fn: Callable, args: tuple, axes: Sequence[Optional[int]], p
   call and end as the last micro-batch wrote them (:mod:`~brainpy_accum.core._written`); the returned
   ``written`` says which, and whether their writes differed between micro-batches, which ``report`` (a
   :class:`~brainpy_accum.core._written.WriteReport`), given, warns of.
+
+  ``scan_one``: a plan of one micro-batch runs as a scan of one too, its arguments and states cut to the plan's
+  size like any micro-batch's (else they are taken whole): inside ``shard_map``, whose first trace (the states'
+  discovery) sees every device's samples while the plan is one device's share.
   """
   skip = {id(s) for s, _ in states}
-  if plan.num_micro_batches == 1:
+  if plan.num_micro_batches == 1 and not scan_one:
     return _one_batch(micro_fn, args, plan, grads_like, metrics, skip)
   whole = [s.value for s, _ in states]
   sums = _scanned(micro_fn, args, axes, plan, states, whole, grads_like, samples_like, sample_axes, metrics)

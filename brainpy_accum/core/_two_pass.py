@@ -64,11 +64,12 @@ def whole_batch_like(shapes, axes: Sequence[Optional[int]], batch_size: int):
 
 def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states, outputs_like,
                     out_axes, micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None,
-                    metrics: Optional[MetricPlan] = None, report: Optional[WriteReport] = None):
+                    metrics: Optional[MetricPlan] = None, report: Optional[WriteReport] = None,
+                    scan_one: bool = False):
   """Pass 1: every micro-batch forward, without gradients; returns the core's ``Sums`` whose ``samples`` are
   the whole batch's outputs. With ``micro_loss(outputs, micro_args) -> (loss, aux)`` and ``weigh`` (the
   default mode's check, which holds the whole outputs already), the sums hold each micro-batch's own loss and
-  metrics instead (weighted; ``metrics``: each by its rule), and no outputs. ``report``: as for
+  metrics instead (weighted; ``metrics``: each by its rule), and no outputs. ``report``, ``scan_one``: as for
   :func:`~brainpy_accum.core.accumulate`."""
 
   def micro_fn(micro_args, size):
@@ -80,7 +81,7 @@ def forward_outputs(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, 
 
   if micro_loss is not None:
     outputs_like = out_axes = None
-  return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes, metrics, report)
+  return accumulate(micro_fn, args, axes, plan, states, None, outputs_like, out_axes, metrics, report, scan_one)
 
 
 def loss_and_cotangents(loss_of: Callable, outputs, params: Optional[dict] = None) -> Tuple[Any, Any, Any, Any]:
@@ -108,14 +109,16 @@ def loss_and_cotangents(loss_of: Callable, outputs, params: Optional[dict] = Non
 
 
 def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroBatchPlan, states, cotangents,
-              out_axes, grads_like, whole_share: float = 1., report: Optional[WriteReport] = None):
+              out_axes, grads_like, whole_share: float = 1., report: Optional[WriteReport] = None,
+              scan_one: bool = False):
   """Pass 2: every micro-batch forward and backward, pulling back its slice of ``cotangents``.
 
   ``grad(fn)(micro_args) -> grads`` differentiates the scalar ``fn(micro_args)`` with respect to the
   parameters. Outputs without a batch axis (a monitored parameter, ...) are the last micro-batch's in pass 1,
   so their cotangent is pulled back through the last micro-batch only (times ``whole_share``: ``1 / D`` when
   each of D devices pulls it back). Returns the summed gradient (accumulator precision), the whole batch's, and
-  the states the micro-batches wrote (:class:`~brainpy_accum.core._written.Written`).
+  the states the micro-batches wrote (:class:`~brainpy_accum.core._written.Written`). ``scan_one``: as for
+  :func:`~brainpy_accum.core.accumulate`.
   """
   cot_leaves, cot_def = jax.tree_util.tree_flatten(cotangents)
   whole = [a is None for a in out_axes]
@@ -137,13 +140,13 @@ def pull_back(forward: Callable, grad: Callable, args: tuple, axes, plan: MicroB
     return MicroResult(grads, jnp.zeros((), jnp.float32), {}, one)
 
   sums = accumulate(micro_fn, tuple(args) + (cot_def.unflatten(cot_leaves), last), list(axes) + list(out_axes) + [0],
-                    plan, states, grads_like, report=report)
+                    plan, states, grads_like, report=report, scan_one=scan_one)
   return sums.grad_sum, sums.written
 
 
 def forward_pass(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, states,
                  micro_loss: Optional[Callable] = None, weigh: Optional[Callable] = None,
-                 metrics_of: Optional[Callable] = None, report: Optional[WriteReport] = None):
+                 metrics_of: Optional[Callable] = None, report: Optional[WriteReport] = None, scan_one: bool = False):
   """Pass 1 from the ``states``' whole-batch values, the outputs' batch axes traced first.
 
   Returns :func:`forward_outputs`' sums (``samples``: the whole batch's outputs, without ``micro_loss``) and the
@@ -157,7 +160,7 @@ def forward_pass(forward: Callable, args: tuple, axes, plan: MicroBatchPlan, sta
   outputs_like = whole_batch_like(small, out_axes, plan.batch_size)
   metrics = None if metrics_of is None else metrics_of(small, large, sizes)
   sums = forward_outputs(forward, args, axes, plan, states, outputs_like, out_axes, micro_loss, weigh, metrics,
-                         report)
+                         report, scan_one)
   return (sums, out_axes) if metrics_of is None else (sums, out_axes, metrics)
 
 
@@ -202,7 +205,7 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   """
   before = values_of(replayed)
   with brainstate.StateTraceStack() as forward_trace:
-    sums, out_axes = forward_pass(forward, args, axes, plan, states, report=report)
+    sums, out_axes = forward_pass(forward, args, axes, plan, states, report=report, scan_one=devices is not None)
   outputs = sums.samples if devices is None else gather_outputs(sums.samples, out_axes, devices)
   loss, aux, cotangents, direct, last_word = _loss_of_the_whole_batch(loss_of, outputs, params,
                                                                       _written(forward_trace), on_read)
@@ -217,7 +220,7 @@ def two_pass_sums(forward: Callable, loss_of: Callable, params: Optional[dict], 
   grad = lambda f: lambda *a: {k: bm.as_jax(g) for k, g in bm.grad(f, grad_vars=params)(*a).items()}
   grads, written = pull_back(forward, grad, args, axes, plan, states, cotangents, out_axes,
                              {k: v.value for k, v in params.items()}, 1. if devices is None else 1. / devices.count,
-                             report)
+                             report, scan_one=devices is not None)
   # the terms that read the parameters themselves, once (each device's share: 1 / D of them)
   grads = {k: g + (direct[k] * weight).astype(g.dtype) for k, g in grads.items()}
   for state, value in last_word:  # the loss ran after the forward pass: what it wrote stands, as in bp.BPTT

@@ -299,6 +299,25 @@ def test_whole_batch_loss_over_devices_equals_bptt(mesh, case):
     del CASES[case + '_mesh']
 
 
+@pytest.mark.parametrize('options', [{'num_micro_batch': 1}, {'num_micro_batch': 'auto', 'memory_budget': '1GiB'}])
+def test_whole_batch_loss_with_one_micro_batch_per_device_equals_bptt(mesh, options):
+  """A device's share in one micro-batch (a plan of one, 'auto' with room, a short batch of one sample per
+  device): shard_map's first trace sees every device's samples, so the one micro-batch must be cut to the share
+  like any other (it ran uncut: the loss got 8 x 16 outputs against 16 targets, TypeError)."""
+  from test_whole_batch_loss import CASES, _assert_same_run, _trainer
+  model, loss, monitored, _ = CASES['batch_max_rnn']
+  CASES['one_mesh'] = (model, loss, monitored, (16, 8))
+  try:
+    batches = make_batches((16, 8))
+    expected = _trainer(bp.BPTT, 'one_mesh')
+    expected.fit(batches, test_data=batches[:1], num_epoch=2)
+    actual = _trainer(AccumBPTT, 'one_mesh', whole_batch_loss=True, mesh=mesh, **options)
+    actual.fit(batches, test_data=batches[:1], num_epoch=2)
+    _assert_same_run(actual, expected)
+  finally:
+    del CASES['one_mesh']
+
+
 def test_whole_batch_loss_over_devices_differentiates_terms_that_read_the_parameters(mesh):
   """A weight regulariser in loss_fun beside a batch maximum: every device differentiates the whole batch's loss
   with respect to the parameters it reads and adds its 1/8 share, so the one all-reduce sums that part once."""
