@@ -24,8 +24,8 @@ from ..memory._device import as_fraction
 
 __all__ = ['BareBatchError', 'DataFirstAxisError', 'RemovedArgumentError', 'ReportCallbackError', 'carried_states',
            'check_accumulation_args', 'check_fit_call', 'check_carried_batch', 'check_carried_sizes', 'check_data',
-           'check_fit_args', 'check_remat', 'check_trainer_args', 'check_update_args', 'check_whole_batch_loss',
-           'warn_batch_statistics', 'warn_inexact', 'warn_sample_monitors']
+           'check_fit_args', 'check_listed_batches', 'check_remat', 'check_trainer_args', 'check_update_args',
+           'check_whole_batch_loss', 'warn_batch_statistics', 'warn_inexact', 'warn_sample_monitors']
 
 
 class RemovedArgumentError(TypeError, NoLongerSupportError):
@@ -267,6 +267,25 @@ def _sequence_batches(data) -> Optional[Iterator]:
   except TypeError:
     return None
   return iter(data)
+
+
+def check_listed_batches(model, batch_size_of: Callable[[Any, Any], int], carried: bool, shared: bool,
+                         **data_sets) -> None:
+  """Before the first update, every batch of each data set given as a sequence (``train_data=...,
+  test_data=...``), so that no run stops half-trained at a batch it cannot take: on a mesh (``shared``) each batch
+  is checked by ``batch_size_of`` (which refuses one that does not split over the devices), and an error is raised
+  naming its place; with ``reset_state=False`` (``carried``) each must have the size of the model state it
+  continues (:func:`check_carried_sizes`). Generators and callables are checked batch by batch."""
+  for data_name, data in data_sets.items() if shared else ():
+    for position, batch in enumerate((None if data is None else _sequence_batches(data)) or ()):
+      try:
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+          batch_size_of(batch[0], batch[1])
+      except (ValueError, TypeError) as error:
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        raise kind(f'Batch {position} of {data_name}: {error} Checked before training: nothing has changed.') from error
+  if carried:
+    check_carried_sizes(model, batch_size_of, **data_sets)
 
 
 def check_carried_sizes(model, batch_size_of: Callable[[Any, Any], int], **data_sets) -> None:

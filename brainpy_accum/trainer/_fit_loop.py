@@ -24,7 +24,7 @@ from ..diagnostics._compiles import count_compilations
 from ..diagnostics._phases import phase
 from ..memory._oom import run_with_retry
 from ..memory._stream import StreamedStates, chunk_sizes, combine_later, host_pieces
-from ._arguments import check_carried_batch, check_carried_sizes
+from ._arguments import check_carried_batch, check_listed_batches
 from ._compiled_steps import LOSS_KINDS
 from ._fit_check import FitCheck
 from ._feed import Sender
@@ -99,8 +99,8 @@ class FitLoop:
     """Run (or resume) the epochs; the metric history where bp.BPTT keeps it, also when interrupted."""
     if not self.run.resume() and self.view.window is not None:  # (a checkpoint loaded holds the run's window)
       self.view.window.clear()
-    if not self.options.reset_state:  # every batch of a list continues the model state: all of its size, first
-      check_carried_sizes(self.view.target, self._batch_size, train_data=train_data, test_data=test_data)
+    check_listed_batches(self.view.target, self._batch_size, not self.options.reset_state, self.view.settings.on_mesh,
+                         train_data=train_data, test_data=test_data)  # (on a mesh, with carried state: first)
     try:
       with self.view.hooks.quiet(), brainstate.environ.context(fit=True), deferred_signals() as stop:
         for epoch in range(self.run.progress.epoch, num_epoch):

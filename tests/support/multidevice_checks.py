@@ -172,6 +172,11 @@ def test_batch_not_divisible_by_devices_is_rejected_before_any_change(mesh):
   params, opt_state = params_of(model), optimizer_state(trainer)
   with pytest.raises(ValueError, match=r'batch_size=12 does not split evenly over the 8 devices .* 8 or 16'):
     trainer.fit(make_batches((12,)), num_epoch=1)
+  # in a list, after batches that do split, or among the test batches: refused before the first of them trains
+  with pytest.raises(ValueError, match=r'Batch 1 of train_data: batch_size=12 does not split .* nothing has changed'):
+    trainer.fit(make_batches((16, 12)), num_epoch=1)
+  with pytest.raises(ValueError, match=r'Batch 0 of test_data: batch_size=12 does not split evenly'):
+    trainer.fit(make_batches((16,)), test_data=make_batches((12,)), num_epoch=1)
   assert_trees_close(params_of(model), params, rtol=0, atol=0)
   assert_trees_close(optimizer_state(trainer), opt_state, rtol=0, atol=0)
 
