@@ -18,6 +18,7 @@ import contextlib
 import os
 import signal
 import threading
+import warnings
 from typing import Iterator, List, NamedTuple, Optional
 
 from tqdm import tqdm
@@ -121,10 +122,12 @@ class Run:
     The checkpoint's path (``None``: none).
   every : int, optional
     A checkpoint every this many optimizer updates too (else at every epoch's end).
+  metrics : bool
+    Whether the trainer's loss returns metrics (``loss_has_aux``): resuming a run that recorded other ones warns.
   """
 
-  def __init__(self, files, logs: dict, checkpoint: Optional[str], every: Optional[int]):
-    self.files, self.logs, self.checkpoint, self.every = files, logs, checkpoint, every
+  def __init__(self, files, logs: dict, checkpoint: Optional[str], every: Optional[int], metrics: bool = False):
+    self.files, self.logs, self.checkpoint, self.every, self.metrics = files, logs, checkpoint, every, metrics
     self.progress = Progress()
     self._test_log_at_start: Optional[dict] = None  # the test log before the running test pass
 
@@ -139,6 +142,7 @@ class Run:
       for phase, log in self.logs.items():
         if phase in history:
           log.restore(history[phase])
+      _warn_other_metrics(history.get('fit', {}), self.metrics, self.progress.trained or self.progress.epoch)
     tqdm.write(f'resuming from checkpoint={self.checkpoint!r} at epoch {self.progress.epoch}, '
                f'{self.progress.trained} batches of it trained')
     return True
@@ -171,3 +175,17 @@ class Run:
     if self._test_log_at_start is not None:
       history['test'] = self._test_log_at_start
     self.files.save(self.checkpoint, (self.progress, history))
+
+
+def _warn_other_metrics(saved: dict, metrics: bool, trained: bool) -> None:
+  """Resuming a run whose loss recorded metrics into a trainer whose loss returns none, or the reverse: the
+  parameters continue exactly, but the metric histories would not line up with the loss's (warned, once)."""
+  names = sorted({key.split('/', 1)[1] for key in saved if key.startswith('detailed/')} - {'loss'})
+  if names and not metrics:
+    warnings.warn(f"The checkpoint's run recorded the metrics {names}, which this trainer's loss does not return "
+                  f'(loss_has_aux=False): their histories end at the checkpoint, shorter than the loss\'s. Resume '
+                  f'with the loss_fun and loss_has_aux the run was saved with to keep them.', UserWarning, stacklevel=4)
+  elif metrics and not names and trained:
+    warnings.warn("The checkpoint's run recorded no metrics (its loss had none: loss_has_aux=False): this trainer's "
+                  "metrics start at the resume, so their histories are shorter than the loss's.", UserWarning,
+                  stacklevel=4)

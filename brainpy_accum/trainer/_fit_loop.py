@@ -90,10 +90,10 @@ class FitLoop:
   def __init__(self, view: LoopView, options: LoopOptions):
     self.view, self.options = view, options
     self.logs = {'fit': PhaseLog('Train'), 'test': PhaseLog('Test')}
-    self.run = Run(view.hooks.files, self.logs, options.checkpoint, options.checkpoint_every)
+    self.run = Run(view.hooks.files, self.logs, options.checkpoint, options.checkpoint_every,
+                   metrics=view.settings.loss_has_aux)
     self.check = FitCheck(view.check, options.shared_args)  # the first-batch check
-    self._budget_checked = False  # once a fit: the device's room (other arrays may have come)
-    self._layout = None  # the batch in hand's layout: the feed cuts batches like it
+    self._budget_checked, self._layout = False, None  # once a fit: the device's room; the batch in hand's layout
 
   def fit(self, train_data, test_data, num_epoch: int) -> None:
     """Run (or resume) the epochs; the metric history where bp.BPTT keeps it, also when interrupted."""

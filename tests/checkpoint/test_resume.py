@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import brainpy as bp
 import numpy as np
@@ -234,3 +235,25 @@ def test_ignored_ctrl_c_stays_ignored_and_a_handler_that_returns_ends_fit_early(
     assert_trees_close(params_of(stopped.target), params_of(whole.target))
   finally:
     signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize('saved_with_metrics', [True, False])
+def test_resuming_with_other_metrics_warns(tmp_path, saved_with_metrics):
+  """A run saved with metrics resumed by a loss without them (or the reverse) continues the parameters exactly,
+  but the metric histories no longer line up with the loss's: said, naming loss_has_aux."""
+  from helpers import mse_with_aux
+
+  def trainer(metrics):
+    return AccumBPTT(make_model('rnn'), mse_with_aux if metrics else bp.losses.mean_squared_error,
+                     optimizer=bp.optim.Adam(lr=0.05), num_micro_batch=2, progress_bar=False, loss_has_aux=metrics)
+
+  path, data = str(tmp_path / 'run.ckpt'), make_batches((4, 4))
+  trainer(saved_with_metrics).fit(data, num_epoch=1, checkpoint=path)
+  said = r"recorded the metrics \['abs_err', 'mean_out'\]" if saved_with_metrics else 'recorded no metrics'
+  with pytest.warns(UserWarning, match=said + '.*loss_has_aux'):
+    trainer(not saved_with_metrics).fit(data, num_epoch=2, checkpoint=path)
+  same = str(tmp_path / 'same.ckpt')
+  trainer(saved_with_metrics).fit(data, num_epoch=1, checkpoint=same)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', UserWarning)  # the same loss again: nothing to say
+    trainer(saved_with_metrics).fit(data, num_epoch=2, checkpoint=same)
