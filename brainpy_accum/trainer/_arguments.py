@@ -270,12 +270,17 @@ def _sequence_batches(data) -> Optional[Iterator]:
 
 
 def check_listed_batches(model, batch_size_of: Callable[[Any, Any], int], carried: bool, shared: bool,
-                         **data_sets) -> None:
-  """Before the first update, every batch of each data set given as a sequence (``train_data=...,
-  test_data=...``), so that no run stops half-trained at a batch it cannot take: on a mesh (``shared``) each batch
-  is checked by ``batch_size_of`` (which refuses one that does not split over the devices), and an error is raised
-  naming its place; with ``reset_state=False`` (``carried``) each must have the size of the model state it
-  continues (:func:`check_carried_sizes`). Generators and callables are checked batch by batch."""
+                         resume: Callable[[], bool], **data_sets) -> bool:
+  """Every batch of each data set given as a sequence (``train_data=..., test_data=...``), before the first
+  update, so that no run stops half-trained at a batch it cannot take; ``resume()`` (which loads a checkpoint, if
+  any, and says whether it did) is called between the two checks, and what it returned is returned:
+
+  - first, on a mesh (``shared``), each batch is checked by ``batch_size_of`` (which refuses one that does not
+    split over the devices), and an error is raised naming its place: nothing has changed then;
+  - then, with ``reset_state=False`` (``carried``), each must have the size of the model state it continues,
+    which a checkpoint just loaded may have set (:func:`check_carried_sizes`).
+
+  Generators and callables are checked batch by batch."""
   for data_name, data in data_sets.items() if shared else ():
     for position, batch in enumerate((None if data is None else _sequence_batches(data)) or ()):
       try:
@@ -284,14 +289,21 @@ def check_listed_batches(model, batch_size_of: Callable[[Any, Any], int], carrie
       except (ValueError, TypeError) as error:
         kind = TypeError if isinstance(error, TypeError) else ValueError
         raise kind(f'Batch {position} of {data_name}: {error} Checked before training: nothing has changed.') from error
+  resumed = resume()
   if carried:
-    check_carried_sizes(model, batch_size_of, **data_sets)
+    check_carried_sizes(model, batch_size_of, loaded=resumed, **data_sets)
+  return resumed
 
 
-def check_carried_sizes(model, batch_size_of: Callable[[Any, Any], int], **data_sets) -> None:
+_LOADED = "nothing has trained (the checkpoint was loaded, and the model state continued is its own)"
+
+
+def check_carried_sizes(model, batch_size_of: Callable[[Any, Any], int], loaded: bool = False,
+                        **data_sets) -> None:
   """With ``reset_state=False``, before the first update: every batch of each data set given as a sequence
   (``train_data=..., test_data=...``) has the size of the model state it continues, so that no run stops
-  half-trained at a batch of another size. ``batch_size_of(inputs, targets)``: a batch's size (its checks).
+  half-trained at a batch of another size. ``batch_size_of(inputs, targets)``: a batch's size (its checks);
+  ``loaded``: a checkpoint was loaded just before (the error says so: its state is the trainer's now).
   Generators and callables are checked batch by batch (:func:`check_carried_batch`)."""
   states = carried_states(model)
   if not states:
@@ -314,7 +326,8 @@ def check_carried_sizes(model, batch_size_of: Callable[[Any, Any], int], **data_
         shown = ', '.join(f'{p} ({sizes[p]} samples)' for p in wrong[:5]) + (', ...' if len(wrong) > 5 else '')
         raise ValueError(f'{data_name} has batches of {_listed(sizes)} samples, but {_carrying(name, axis, samples)}'
                          f': batch{"es" * (len(wrong) > 1)} {shown} do{"es" * (len(wrong) == 1)} not fit it. '
-                         f'Checked before training: nothing has changed. Give batches of {_samples(samples)}, reset '
+                         f'Checked before training: {_LOADED if loaded else "nothing has changed"}. Give batches '
+                         f'of {_samples(samples)}, reset '
                          f'the model at your batches\' size first (model.reset(size)), or fit with reset_state=True '
                          f'(each batch starts from a state reset at its size).')
 

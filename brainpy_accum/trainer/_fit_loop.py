@@ -97,10 +97,10 @@ class FitLoop:
 
   def fit(self, train_data, test_data, num_epoch: int) -> None:
     """Run (or resume) the epochs; the metric history where bp.BPTT keeps it, also when interrupted."""
-    if not self.run.resume() and self.view.window is not None:  # (a checkpoint loaded holds the run's window)
-      self.view.window.clear()
-    check_listed_batches(self.view.target, self._batch_size, not self.options.reset_state, self.view.settings.on_mesh,
-                         train_data=train_data, test_data=test_data)  # (on a mesh, with carried state: first)
+    if not check_listed_batches(self.view.target, self._batch_size, not self.options.reset_state,
+                                self.view.settings.on_mesh, self.run.resume,  # (it resumes between its checks)
+                                train_data=train_data, test_data=test_data) and self.view.window is not None:
+      self.view.window.clear()  # (nothing resumed: a checkpoint loaded holds the run's window)
     try:
       with self.view.hooks.quiet(), brainstate.environ.context(fit=True), deferred_signals() as stop:
         for epoch in range(self.run.progress.epoch, num_epoch):

@@ -51,6 +51,20 @@ def test_a_list_of_other_sizes_is_refused_before_the_first_update(sizes):
   assert_trees_close(_everything(trainer), before, rtol=0, atol=0)
 
 
+def test_a_list_refused_after_a_checkpoint_was_loaded_says_so(tmp_path):
+  """The sizes are those of the model state the batches continue, which a checkpoint loaded at the start of fit
+  sets: the check comes after loading, and its error says the checkpoint's state is the trainer's now."""
+  path = str(tmp_path / 'run.ckpt')
+  first = _trainer(AccumBPTT, make_model('rnn'), num_micro_batch=2)
+  first.target.reset(4)
+  first.fit(make_batches((4, 4)), num_epoch=1, reset_state=False, checkpoint=path)
+  trainer = _trainer(AccumBPTT, make_model('rnn'), num_micro_batch=2)
+  trainer.target.reset(4)
+  with pytest.raises(ValueError, match=r'Checked before training: nothing has trained \(the checkpoint was loaded'):
+    trainer.fit(make_batches((2, 2)), num_epoch=2, reset_state=False, checkpoint=path)
+  assert_trees_close(params_of(trainer.target), params_of(first.target), rtol=0, atol=0)
+
+
 def test_a_generator_is_checked_before_each_batch():
   """The batches before the one of another size train as bp.BPTT trains them; that one changes nothing."""
   batches = make_batches((2, 2, 4))
