@@ -43,8 +43,8 @@ import numpy as np
 
 from ._combine import same_type
 
-__all__ = ['WriteEvidence', 'WriteReport', 'Written', 'apart_across_devices', 'fingerprint', 'host_callbacks_run', 'progress_bars_run',
-           'is_trainable', 'kept_last', 'restart', 'values_before', 'written_by']
+__all__ = ['WriteEvidence', 'WriteReport', 'Written', 'apart_across_devices', 'fingerprint', 'host_callbacks_run',
+           'is_trainable', 'kept_last', 'progress_bars_run', 'restart', 'values_before', 'written_by']
 
 
 class Written(NamedTuple):
