@@ -186,6 +186,6 @@ def _warn_other_metrics(saved: dict, metrics: bool, trained: bool) -> None:
                   f'(loss_has_aux=False): their histories end at the checkpoint, shorter than the loss\'s. Resume '
                   f'with the loss_fun and loss_has_aux the run was saved with to keep them.', UserWarning, stacklevel=4)
   elif metrics and not names and trained:
-    warnings.warn("The checkpoint's run recorded no metrics (its loss had none: loss_has_aux=False): this trainer's "
-                  "metrics start at the resume, so their histories are shorter than the loss's.", UserWarning,
-                  stacklevel=4)
+    warnings.warn("The checkpoint's run recorded no metrics (its loss had none, as with loss_has_aux=False): any "
+                  "metrics this trainer's loss returns start at the resume, so their histories are shorter than the "
+                  "loss's.", UserWarning, stacklevel=4)
