@@ -275,16 +275,17 @@ def check_listed_batches(model, batch_size_of: Callable[[Any, Any], int], carrie
   update, so that no run stops half-trained at a batch it cannot take; ``resume()`` (which loads a checkpoint, if
   any, and says whether it did) is called between the two checks, and what it returned is returned:
 
-  - first, on a mesh (``shared``), each batch is checked by ``batch_size_of`` (which refuses one that does not
-    split over the devices), and an error is raised naming its place: nothing has changed then;
+  - first, on a mesh (``shared``), each batch of a list, tuple or array (batches already in memory: a dataset
+    object that loads or draws each batch is not read ahead) is checked by ``batch_size_of`` (which refuses one
+    that does not split over the devices), and an error is raised naming its place: nothing has changed then;
   - then, with ``reset_state=False`` (``carried``), each must have the size of the model state it continues,
     which a checkpoint just loaded may have set (:func:`check_carried_sizes`).
 
   Generators and callables are checked batch by batch."""
   for data_name, data in data_sets.items() if shared else ():
-    for position, batch in enumerate((None if data is None else _sequence_batches(data)) or ()):
+    for position, batch in enumerate(data if isinstance(data, (list, tuple, np.ndarray)) else ()):
       try:
-        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        if isinstance(batch, (tuple, list, np.ndarray)) and len(batch) == 2:  # (an array's rows: a stacked pair)
           batch_size_of(batch[0], batch[1])
       except (ValueError, TypeError) as error:
         kind = TypeError if isinstance(error, TypeError) else ValueError
