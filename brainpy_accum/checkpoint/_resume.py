@@ -180,7 +180,8 @@ class Run:
 def _warn_other_metrics(saved: dict, metrics: bool, trained: bool) -> None:
   """Resuming a run whose loss recorded metrics into a trainer whose loss returns none, or the reverse: the
   parameters continue exactly, but the metric histories would not line up with the loss's (warned, once)."""
-  names = sorted({key.split('/', 1)[1] for key in saved if key.startswith('detailed/')} - {'loss'})
+  names = sorted({key.split('/', 1)[1] for key in saved  # (a report window not yet closed: only in 'window/')
+                  if key.split('/', 1)[0] in ('detailed', 'report', 'window')} - {'loss'})
   if names and not metrics:
     warnings.warn(f"The checkpoint's run recorded the metrics {names}, which this trainer's loss does not return "
                   f'(loss_has_aux=False): their histories end at the checkpoint, shorter than the loss\'s. Resume '

@@ -253,7 +253,13 @@ def test_resuming_with_other_metrics_warns(tmp_path, saved_with_metrics):
   with pytest.warns(UserWarning, match=said + '.*loss_has_aux'):
     trainer(not saved_with_metrics).fit(data, num_epoch=2, checkpoint=path)
   same = str(tmp_path / 'same.ckpt')
-  trainer(saved_with_metrics).fit(data, num_epoch=1, checkpoint=same)
+
+  def stopping():  # saved after each update, stopped before the epoch's report: the metrics only in its window
+    yield from data[:1]
+    raise RuntimeError('stop')
+
+  with pytest.raises(RuntimeError, match='stop'):
+    trainer(saved_with_metrics).fit(stopping, num_epoch=1, checkpoint=same, checkpoint_every=1)
   with warnings.catch_warnings():
     warnings.simplefilter('error', UserWarning)  # the same loss again: nothing to say
     trainer(saved_with_metrics).fit(data, num_epoch=2, checkpoint=same)
