@@ -23,7 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from ._batch import is_array
 from ._states import batched_variables
 
-__all__ = ['check_mesh', 'auto_axes', 'mesh_size', 'check_divisible', 'batch_spec', 'sum_across_devices',
+__all__ = ['UnevenSplitError', 'check_mesh', 'auto_axes', 'mesh_size', 'check_divisible', 'batch_spec', 'sum_across_devices',
            'random_states', 'per_device_random', 'place', 'on_mesh', 'split_variables']
 
 
@@ -67,11 +67,16 @@ def mesh_size(mesh: Mesh, axis: str) -> int:
   return int(mesh.shape[axis])
 
 
+class UnevenSplitError(ValueError):
+  """A batch whose samples do not split evenly over a mesh's devices."""
+
+
 def check_divisible(batch_size: int, num_devices: int, axis: str) -> int:
-  """Samples per device; raise a ``ValueError`` with the fix if the batch does not split evenly."""
+  """Samples per device; raise an :class:`UnevenSplitError` (a ``ValueError``) with the fix if the batch does
+  not split evenly."""
   if batch_size % num_devices:
     lower, upper = batch_size // num_devices * num_devices, -(-batch_size // num_devices) * num_devices
-    raise ValueError(f'batch_size={batch_size} does not split evenly over the {num_devices} devices of mesh axis '
+    raise UnevenSplitError(f'batch_size={batch_size} does not split evenly over the {num_devices} devices of mesh axis '
                      f'{axis!r}: every device must hold the same number of samples. Use batches whose size is a '
                      f'multiple of {num_devices} (e.g. {lower or num_devices} or {upper}), for instance by '
                      f'dropping or padding the last batch of an epoch.')

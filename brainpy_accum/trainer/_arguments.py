@@ -18,6 +18,7 @@ from brainpy._errors import NoLongerSupportError, UnsupportedError
 from ..checkpoint._resume import check_checkpoint_args
 from ..core._combine import check_grad_reduction, check_loss_weight_fn
 from ..core._cut import check_cut, check_positive_int, is_int
+from ..core._mesh import UnevenSplitError
 from ..core._metrics import check_aux_reduction
 from ..memory._budget import parse_memory
 from ..memory._device import as_fraction
@@ -282,17 +283,21 @@ def check_listed_batches(model, batch_size_of: Callable[[Any, Any], int], carrie
     which a checkpoint just loaded may have set (:func:`check_carried_sizes`).
 
   Generators and callables are checked batch by batch."""
-  for data_name, data in data_sets.items() if shared else ():
-    for position, batch in enumerate(data if isinstance(data, (list, tuple, np.ndarray)) else ()):
-      try:
-        if isinstance(batch, (tuple, list, np.ndarray)) and len(batch) == 2:  # (an array's rows: a stacked pair)
+  with brainstate.environ.context(fit=True):  # (the check may trace the model, which may read the setting)
+    for data_name, data in data_sets.items() if shared else ():
+      for position, batch in enumerate(data if isinstance(data, (list, tuple, np.ndarray)) else ()):
+        try:
+          if not isinstance(batch, (tuple, list, np.ndarray)) or len(batch) != 2:  # (an array's rows: a pair)
+            break  # a malformed batch: the loop refuses it when it reaches it, as bp.BPTT would
           batch_size_of(batch[0], batch[1])
-      except (ValueError, TypeError) as error:
-        kind = TypeError if isinstance(error, TypeError) else ValueError
-        raise kind(f'Batch {position} of {data_name}: {error} Checked before training: nothing has changed.') from error
-  resumed = resume()
-  if carried:
-    check_carried_sizes(model, batch_size_of, loaded=resumed, **data_sets)
+        except UnevenSplitError as error:
+          raise UnevenSplitError(f'Batch {position} of {data_name}: {error} Checked before training: nothing has '
+                                 f'changed.') from error
+        except (ValueError, TypeError):
+          break  # (as above: the loop's own checks say it better, in their turn)
+    resumed = resume()
+    if carried:
+      check_carried_sizes(model, batch_size_of, loaded=resumed, **data_sets)
   return resumed
 
 

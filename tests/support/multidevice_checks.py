@@ -181,6 +181,33 @@ def test_batch_not_divisible_by_devices_is_rejected_before_any_change(mesh):
   assert_trees_close(optimizer_state(trainer), opt_state, rtol=0, atol=0)
 
 
+def test_listed_batches_are_checked_as_fit_traces_them(mesh):
+  """The up-front check of a list's batches traces the model where target axes are ambiguous (8 steps, 8 samples):
+  in fit's setting (brainstate.environ fit=True), which the model reads; a target list of numbers still gets the
+  loop's own message (its place and np.asarray), not the check's."""
+  import brainstate
+
+  class Net(bp.DynamicalSystem):
+    def __init__(self):
+      super().__init__()
+      self.rnn, self.out = bp.dyn.RNNCell(3, 8), bp.dnn.Dense(8, 2)
+
+    def update(self, x):
+      return self.out(self.rnn(x) * (1. if brainstate.environ.get('fit') else 0.5))
+
+  data, losses = make_batches((8, 8), num_time=8), []
+  for on in (None, mesh):
+    bm.random.seed(0)
+    with bm.training_environment():
+      model = Net()
+    trainer = AccumBPTT(model, bp.losses.mean_squared_error, num_micro_batch=2, progress_bar=False, mesh=on)
+    trainer.fit(data, num_epoch=1)
+    losses.append(np.asarray(trainer.train_losses))
+  np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+  with pytest.raises(ValueError, match=r'targets as a Python list of 8 numbers in batch 1.*np\.asarray'):
+    trainer.fit([data[0], (data[1][0], [0.5] * 8)], num_epoch=2)
+
+
 @pytest.mark.parametrize('batch, num_micro_batch', [(8, 1), (8, 3), (16, 3), (40, 2), (4, 1), (20, 2), (1, 1)])
 def test_batch_sizes_against_devices_and_micro_batches_train_as_bptt_or_are_refused(mesh, batch, num_micro_batch):
   """Batch sizes against 8 devices and N: a multiple of 8 trains as bp.BPTT (N larger than a device's share
