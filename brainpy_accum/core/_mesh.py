@@ -23,8 +23,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from ._batch import is_array
 from ._states import batched_variables
 
-__all__ = ['UnevenSplitError', 'check_mesh', 'auto_axes', 'mesh_size', 'check_divisible', 'batch_spec', 'sum_across_devices',
-           'random_states', 'per_device_random', 'place', 'on_mesh', 'split_variables']
+__all__ = ['UnevenSplitError', 'check_mesh', 'auto_axes', 'mesh_size', 'check_divisible', 'batch_spec',
+           'sum_across_devices', 'random_states', 'per_device_random', 'place', 'on_mesh', 'split_variables']
 
 
 def check_mesh(mesh, mesh_axis) -> Optional[str]:
@@ -76,10 +76,10 @@ def check_divisible(batch_size: int, num_devices: int, axis: str) -> int:
   not split evenly."""
   if batch_size % num_devices:
     lower, upper = batch_size // num_devices * num_devices, -(-batch_size // num_devices) * num_devices
-    raise UnevenSplitError(f'batch_size={batch_size} does not split evenly over the {num_devices} devices of mesh axis '
-                     f'{axis!r}: every device must hold the same number of samples. Use batches whose size is a '
-                     f'multiple of {num_devices} (e.g. {lower or num_devices} or {upper}), for instance by '
-                     f'dropping or padding the last batch of an epoch.')
+    raise UnevenSplitError(f'batch_size={batch_size} does not split evenly over the {num_devices} devices of mesh '
+                           f'axis {axis!r}: every device must hold the same number of samples. Use batches whose size '
+                           f'is a multiple of {num_devices} (e.g. {lower or num_devices} or {upper}), for instance by '
+                           f'dropping or padding the last batch of an epoch.')
   return batch_size // num_devices
 
 

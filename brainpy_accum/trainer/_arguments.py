@@ -22,6 +22,7 @@ from ..core._mesh import UnevenSplitError
 from ..core._metrics import check_aux_reduction
 from ..memory._budget import parse_memory
 from ..memory._device import as_fraction
+from ._feed import as_pair, holds_batches
 
 __all__ = ['BareBatchError', 'DataFirstAxisError', 'RemovedArgumentError', 'ReportCallbackError', 'carried_states',
            'check_accumulation_args', 'check_fit_call', 'check_carried_batch', 'check_carried_sizes', 'check_data',
@@ -285,9 +286,9 @@ def check_listed_batches(model, batch_size_of: Callable[[Any, Any], int], carrie
   Generators and callables are checked batch by batch."""
   with brainstate.environ.context(fit=True):  # (the check may trace the model, which may read the setting)
     for data_name, data in data_sets.items() if shared else ():
-      for position, batch in enumerate(data if isinstance(data, (list, tuple, np.ndarray)) else ()):
+      for position, batch in enumerate(map(as_pair, data) if holds_batches(data) else ()):
         try:
-          if not isinstance(batch, (tuple, list, np.ndarray)) or len(batch) != 2:  # (an array's rows: a pair)
+          if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             break  # a malformed batch: the loop refuses it when it reaches it, as bp.BPTT would
           batch_size_of(batch[0], batch[1])
         except UnevenSplitError as error:

@@ -46,7 +46,8 @@ from ..memory._device import device_memory
 from ..memory._switch import DeviceSwitch
 from ._window import with_last_flag
 
-__all__ = ['Feed', 'Fed', 'Sender', 'as_pair', 'on_device', 'overlapping', 'prefetch_bytes', 'sends_ahead']
+__all__ = ['Feed', 'Fed', 'Sender', 'as_pair', 'holds_batches', 'on_device', 'overlapping', 'prefetch_bytes',
+           'sends_ahead']
 
 _OVERLAP = DeviceSwitch(lambda: jax.default_backend() != 'cpu')  # :func:`overlapping` sets it for tests and benches
 # Of the device's limit, left free beside a unit sent ahead (allocations near a full device stall on a TPU).
@@ -129,11 +130,19 @@ _copy_at_step = on_device  # the same copy, made at the step's call (:meth:`Feed
 
 
 def as_pair(batch):
-  """A batch as the source gave it, an array of two rows as its pair (``bp.BPTT``'s ``for x, y in train_data``
-  unpacks a stacked array of batches, ``(n, 2, ...)``, so); any other batch as it is."""
-  if isinstance(batch, (np.ndarray, jax.Array)) and np.ndim(batch) >= 1 and np.shape(batch)[0] == 2:
+  """A batch as the source gave it, an array of two rows (NumPy, JAX or BrainPy) as its pair (``bp.BPTT``'s ``for
+  x, y in train_data`` unpacks a stacked array of batches, ``(n, 2, ...)``, so); any other batch as it is."""
+  array = isinstance(batch, (np.ndarray, jax.Array)) or is_array(batch)
+  if array and np.ndim(batch) >= 1 and np.shape(batch)[0] == 2:
     return batch[0], batch[1]
   return batch
+
+
+def holds_batches(data) -> bool:
+  """Whether the source ``data`` holds its batches already (a list, a tuple, a stacked array), rather than making
+  each as it is read (a generator, a loader that loads, draws or refills them): those may be read ahead, as
+  often as needed, at no cost and with nothing moved."""
+  return isinstance(data, (list, tuple, np.ndarray))
 
 
 def _host_copy(data):

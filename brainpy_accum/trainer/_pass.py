@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from ._feed import Feed, Sender
+from ._feed import Feed, Sender, holds_batches
 
 __all__ = ['Batch', 'Pass', 'PhaseLog']
 
@@ -72,9 +72,8 @@ class Pass:
     """Open the progress bar (for data with a length) and the feed."""
     if show_bar and hasattr(self._batches, '__len__'):
       self.bar = tqdm(total=len(cast(Sized, self._batches)), initial=self.skip)
-    refills = not isinstance(self._batches, (list, tuple, np.ndarray))  # a source that may refill its arrays
     self.feed = Feed(itertools.islice(self._batches, self.skip, None), sender, units, ahead=self.every > 1,
-                     refills=refills)
+                     refills=not holds_batches(self._batches))  # (a source that may refill its arrays)
 
   def batches(self, check_batch: Callable[[Any, Any], Any], stop=None) -> Iterator[Batch]:
     """The pass's batches, each checked (``check_batch(inputs, targets) -> layout``, which raises before

@@ -631,10 +631,11 @@ def test_a_refilling_source_with_accumulate_steps_and_a_report_that_sets_the_nex
                                         num_micro_batch=3, progress_bar=False)), expected)
 
 
-@pytest.mark.parametrize('form', ['stacked array', 'getitem only'])
+@pytest.mark.parametrize('form', ['stacked array', 'getitem only', 'BrainPy pairs'])
 def test_sources_python_iterates_train_as_bp_bptt_with_data_sent_ahead(form):
   """A stacked NumPy array of batches, ``(n, 2, ...)``, sent ahead whole, failed on its truth value; a class with
-  only ``__getitem__`` and ``__len__`` (which Python, and bp.BPTT, iterate) was refused as not iterable."""
+  only ``__getitem__`` and ``__len__`` (which Python, and bp.BPTT, iterate) was refused as not iterable; a list of
+  BrainPy arrays of two rows each (which bp.BPTT unpacks) was refused as not a pair."""
   batches = make_batches((6, 6, 6), num_time=5, n_out=3, seed=23)
 
   class Indexed:
@@ -644,7 +645,8 @@ def test_sources_python_iterates_train_as_bp_bptt_with_data_sent_ahead(form):
     def __getitem__(self, i):
       return batches[i]
 
-  data = np.stack([np.stack(batch) for batch in batches]) if form == 'stacked array' else Indexed()
+  data = {'stacked array': np.stack([np.stack(batch) for batch in batches]), 'getitem only': Indexed(),
+          'BrainPy pairs': [bm.asarray(np.stack(batch)) for batch in batches]}[form]
   results = []
   for make in (bp.BPTT, functools.partial(AccumBPTT, num_micro_batch=3)):
     trainer = make(make_model('rnn', n_out=3), 'mean_squared_error', optimizer=bp.optim.Adam(lr=0.05),
