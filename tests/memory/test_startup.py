@@ -453,9 +453,11 @@ def test_whole_first_pieces_whose_data_alone_exceed_the_budget_cost_no_compilati
   with overlapping(True), whole_first(True):
     trainer.plan_memory(*batches[0])
   piece = trainer.stream_chunks[size]
-  assert refused and min(refused) > piece and piece in trials and len(trials) == len(set(trials)), (refused, trials)
-  if device_tile() == 1:
-    assert len(trials) <= 2, trials
+  assert piece in trials and len(trials) == len(set(trials)), trials
+  assert not [t for t in trials if size // 2 <= t < size] and min(refused, default=size) > piece, (refused, trials)
+  if device_tile() == 1:  # (a TPU's search, guided from below by a whole batch that its tiles pad several-fold more
+    # than the pieces, finds the 16 too large before it reaches the 24: a TPU v5e compiled 1, 2, 7, 8 and 16)
+    assert refused and len(trials) <= 2, (refused, trials)
   monkeypatch.setattr(ChunkSearch, 'chunk_data', lambda self, chunk: self._chunk_of(chunk))  # every size measured
   measured = _trainer(model(), num_micro_batch='auto', memory_budget=budget, cache=False)
   with overlapping(True), whole_first(True):

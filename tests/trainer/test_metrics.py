@@ -310,6 +310,9 @@ def test_the_first_batch_cut_is_checked_whichever_batch_it_is(sizes, options):
                       memory_budget='1GiB', cache=False)
     probe.target.reset(10)
     need = [probe.compiled_step_bytes(plan_micro_batches(10, micro_batch_size=n), {}, x, y) for n in (5, 10)]
+    if need[0] >= need[1]:  # (a TPU v5e: 1,109,504 bytes against 77,312; its tiles pad this tiny model's scan)
+      pytest.skip(f'here the step of this small model in micro-batches of 5 takes no less memory than whole '
+                  f'({need[0]} against {need[1]} bytes): no budget makes the planner cut a batch of 10')
     options = dict(num_micro_batch='auto', memory_budget=(need[0] + need[1]) // 2, cache=False)
   _, expected, _, _ = reference(sizes=sizes, loss=summary_metrics)
   trainers = []
