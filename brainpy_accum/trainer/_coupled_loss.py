@@ -61,7 +61,7 @@ from ..memory._stream import host_chunk
 from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_batch_like
 from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
 from ..diagnostics._phases import phase
-from ._fit_check import NO_CHECK, PendingCheck
+from ._fit_check import NO_CHECK, PendingCheck, check_device, lowered_on
 from ._random_outputs import (LEVELS, POINTS, WHOLE, WHOLE_BATCH_FIX, CheckNames, Evidence, found_reductions,
                               loss_at_random_outputs, warn_coupled, warn_coupled_loss, warn_metrics)
 
@@ -234,7 +234,8 @@ class UntracedCheck:
 
 def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan,
                         reduction: str, use_found: Optional[Callable[[Dict[str, str]], None]] = None,
-                        fewer: Optional[Callable] = None, on: str = WHOLE) -> Union[RunningCheck, UntracedCheck]:
+                        fewer: Optional[Callable] = None, on: str = WHOLE, device: Optional[jax.Device] = None
+                        ) -> Union[RunningCheck, UntracedCheck]:
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
   values of now: the :class:`RunningCheck`, whose ``finish(report=True)`` waits for it and warns (an
@@ -247,13 +248,13 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
   before it is traced (and a stitched metric whose rows cannot be placed must be refused before any step): then
   the check is waited for here, what it found handed to ``use_found``, and ``finish`` only warns. ``fewer(error)``:
   where the device cannot hold the check, the check of fewer samples (see :class:`RunningCheck`); ``on``: the
-  samples checked, as the warnings name them."""
+  samples checked, as the warnings name them; ``device``: where to compile and run it (see :func:`lowered_on`)."""
   names = CheckNames()
   with values_restored(variables):
     try:
       values = step.stateful_fun.get_state_trace(names, shared_args, inputs, targets,
                                                  compile_if_miss=True).get_state_values()
-      lowered = step.jitted_fun.lower(values, names, shared_args, inputs, targets)
+      values, lowered = lowered_on(device, step, values, names, shared_args, inputs, targets)
     except MetricsError:
       raise
     except Exception as error:
@@ -267,7 +268,8 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
 def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Callable, plan: MicroBatchPlan,
                       forward: Callable, loss_of: Callable, weigh: Callable, variables: Sequence, jit: bool,
                       reduction: str, declared: Optional[dict] = None, has_metrics: bool = True,
-                      use_found: Optional[Callable[[Dict[str, str]], None]] = None) -> Optional[RunningCheck]:
+                      use_found: Optional[Callable[[Dict[str, str]], None]] = None,
+                      device: Optional[jax.Device] = None) -> Optional[RunningCheck]:
   """Default mode, first batch: warn if the loss is not the weighted mean of its micro-batch values.
 
   ``check_batch(inputs, targets) -> BatchLayout``; ``plan``: the micro-batches of the batch (of each device's
@@ -278,7 +280,8 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
   ``variables``: what the check must leave as it found it; ``jit``: compile the check; ``declared``: the
   metrics' ``aux_reduction``; ``has_metrics``: whether ``loss_of`` returns any (``loss_has_aux``);
   ``use_found(found)``: receives how the undeclared scalar metrics combine where that is not the loss's own
-  combination (``{path: reduction}``, see :func:`found_reductions`), before this returns if there are any.
+  combination (``{path: reduction}``, see :func:`found_reductions`), before this returns if there are any;
+  ``device``: where the check compiles and runs with ``jit`` (see :func:`check_in_background`).
 
   With ``jit`` the check is compiled and run beside the first train steps (:func:`check_in_background`); the
   returned :class:`RunningCheck`'s ``finish()``, called after them, waits for it and warns. Without: it runs and
@@ -315,7 +318,7 @@ def check_first_batch(model, shared_args, inputs, targets, *, check_batch: Calla
     return check_in_background(bm.jit(comparing(cut), static_argnums=(0, 1)), shared_args, inputs, targets,
                                variables, cut, reduction, use_found,
                                lambda error: _first_samples_check(error, state, check_batch, start, cut, inputs,
-                                                                  targets), on)
+                                                                  targets), on, device)
 
   return start(plan, inputs, targets)
 
@@ -492,6 +495,6 @@ class FirstBatchCheck:
                                   plan=plan, forward=self.parts.forward, loss_of=self.parts.loss_of,
                                   weigh=self.parts.weigh, variables=variables, jit=self.jit,
                                   reduction=self.reduction, declared=self.declared, has_metrics=self.has_metrics,
-                                  use_found=self.parts.use_found)
+                                  use_found=self.parts.use_found, device=None if self.on_mesh else check_device())
     self._running = running  # the planner waits for it before timing trial steps
     return running

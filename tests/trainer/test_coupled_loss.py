@@ -14,6 +14,7 @@ import pytest
 from brainpy_accum import AccumBPTT, plan_micro_batches
 from brainpy_accum.trainer._coupled_loss import MEANS_OVER_ELEMENTS, _could_not_check, conclude
 from brainpy_accum.trainer._feed import overlapping
+from brainpy_accum.trainer._fit_check import check_device, check_on_host
 from brainpy_accum.trainer._random_outputs import CheckNames, loss_at_random_outputs
 from helpers import SIMULATED_DEVICE, assert_trees_close, make_batches, make_model, params_of
 from simulated_device import simulated_device
@@ -78,6 +79,18 @@ def test_loss_normalised_by_batch_statistics_warns():
   with pytest.warns(UserWarning, match='couples the samples') as record:
     _fit(batch_normalised, model='rnn')
   assert len(_coupled(record)) == 1
+
+
+def test_check_on_the_host_warns_as_on_the_device():
+  """The chip's path, forced on the CPU (whose host is the device: eight simulated devices in
+  ``multidevice_checks.py`` tell them apart): the check lowered for the host's CPU, with the Variables' values
+  placed there, sees the coupling too."""
+  with check_on_host(True), pytest.warns(UserWarning, match='couples the samples') as record:
+    assert check_device().platform == 'cpu'
+    _fit(batch_normalised, model='rnn')
+  assert len(_coupled(record)) == 1
+  with check_on_host(False):
+    assert check_device() is None
 
 
 def host_normalised(predicts, targets):
