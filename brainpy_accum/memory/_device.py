@@ -24,7 +24,7 @@ import jax
 from ._budget import PlannedStep, StepMemory, format_memory, parse_memory
 
 __all__ = ['DEVICE_MARGIN', 'Budget', 'DeviceMemory', 'PlanBudget', 'as_fraction', 'device_memory',
-           'is_out_of_memory', 'is_refused_program', 'refusal_measured', 'refused_bytes']
+           'host_available_bytes', 'is_out_of_memory', 'is_refused_program', 'refusal_measured', 'refused_bytes']
 
 # Of the device's limit, kept free when the budget is the device's own: XLA's memory analysis counts the
 # program's buffers, not the runtime's own allocations, the executable itself or the allocator's fragmentation.
@@ -65,6 +65,20 @@ def device_memory(device: Optional[jax.Device] = None) -> Optional[DeviceMemory]
     kind = f'{device.platform.upper()} {kind}'.strip()
   return DeviceMemory(int(stats['bytes_limit']), int(stats.get('bytes_in_use', 0)), kind,
                       int(stats.get('bytes_reserved', 0)))
+
+
+def host_available_bytes() -> Optional[int]:
+  """The host memory available to new allocations without swapping (Linux's ``MemAvailable``), or ``None``
+  where it cannot be read (another system). A CPU device reports no memory of its own (:func:`device_memory`),
+  and a program too large for the host is not refused there: the system stops the process."""
+  try:
+    with open('/proc/meminfo') as info:
+      for line in info:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
 
 
 def as_fraction(value) -> Optional[float]:

@@ -59,9 +59,9 @@ from ..memory import _device
 from ..memory._device import is_out_of_memory, refused_bytes
 from ..memory._stream import host_chunk
 from ..core._two_pass import output_axes, second_sizes, traced_shapes, whole_batch_like
-from ..diagnostics._compiles import QUICK_COMPILE, UNCOUNTED_THREAD_PREFIX
+from ..diagnostics._compiles import UNCOUNTED_THREAD_PREFIX
 from ..diagnostics._phases import phase
-from ._fit_check import NO_CHECK, PendingCheck, check_device, lowered_on
+from ._fit_check import NO_CHECK, PendingCheck, CheckProgram, check_device
 from ._random_outputs import (LEVELS, POINTS, WHOLE, WHOLE_BATCH_FIX, CheckNames, Evidence, found_reductions,
                               loss_at_random_outputs, warn_coupled, warn_coupled_loss, warn_metrics)
 
@@ -171,7 +171,7 @@ class RunningCheck:
   """The first-batch check compiling and running on a thread of its own (:func:`check_in_background`);
   :meth:`finish` waits for it and gives its warnings, once."""
 
-  def __init__(self, lowered, values, inputs, targets, names: 'CheckNames', plan: MicroBatchPlan, reduction: str,
+  def __init__(self, program, inputs, targets, names: 'CheckNames', plan: MicroBatchPlan, reduction: str,
                use_found: Optional[Callable[[Dict[str, str]], None]],
                fewer: Optional[Callable[[BaseException], Optional['RunningCheck']]] = None, on: str = WHOLE):
     self._names, self._plan, self._reduction, self._use_found, self._on = names, plan, reduction, use_found, on
@@ -179,15 +179,15 @@ class RunningCheck:
     self._instead: Optional[RunningCheck] = None  # that check, once started
     self._done: dict = {}
     self._reported: list = []  # the conclusion's warnings, given when finish() reports; reductions used at once
-    self._thread = threading.Thread(target=self._run, args=(lowered, values, inputs, targets),
+    self._thread = threading.Thread(target=self._run, args=(program, inputs, targets),
                                     name=f'{UNCOUNTED_THREAD_PREFIX} first-batch check', daemon=True)
     self._thread.start()
 
-  def _run(self, lowered, values, inputs, targets) -> None:
+  def _run(self, program, inputs, targets) -> None:
     """Runs the check on the values given; the new values it returns are dropped: nothing changes."""
     try:
       with phase('first-batch check'):
-        compiled = lowered.compile(compiler_options=QUICK_COMPILE)
+        compiled, values = program.compile()
         self._done['result'] = jax.device_get(compiled(values, inputs, targets)[1])
     except Exception as error:  # reported by finish(), on the caller's thread
       self._done['error'] = error
@@ -248,18 +248,18 @@ def check_in_background(step, shared_args, inputs, targets, variables: Sequence,
   before it is traced (and a stitched metric whose rows cannot be placed must be refused before any step): then
   the check is waited for here, what it found handed to ``use_found``, and ``finish`` only warns. ``fewer(error)``:
   where the device cannot hold the check, the check of fewer samples (see :class:`RunningCheck`); ``on``: the
-  samples checked, as the warnings name them; ``device``: where to compile and run it (see :func:`lowered_on`)."""
+  samples checked, as the warnings name them; ``device``: where to compile and run it (see :class:`CheckProgram`)."""
   names = CheckNames()
   with values_restored(variables):
     try:
       values = step.stateful_fun.get_state_trace(names, shared_args, inputs, targets,
                                                  compile_if_miss=True).get_state_values()
-      values, lowered = lowered_on(device, step, values, names, shared_args, inputs, targets)
+      program = CheckProgram(device, step, values, names, shared_args, inputs, targets)
     except MetricsError:
       raise
     except Exception as error:
       return UntracedCheck(error)
-  running = RunningCheck(lowered, values, inputs, targets, names, plan, reduction, use_found, fewer, on)
+  running = RunningCheck(program, inputs, targets, names, plan, reduction, use_found, fewer, on)
   if names.undecided or names.stitched:  # the step to be traced next combines them as found
     running.finish(report=False)
   return running

@@ -1,6 +1,7 @@
 """The first-batch check's life in one :meth:`fit` call: a :class:`PendingCheck` started once and finished once,
 and :class:`FitCheck`, which says when, so that the fit loop holds one object and calls it at three places
-(planning, a step, the end of a pass or a report). What the check computes is
+(planning, a step, the end of a pass or a report), and where the check compiles and runs (:class:`CheckProgram`:
+the host's CPU beside a TPU). What the check computes is
 :mod:`~brainpy_accum.trainer._coupled_loss`'s.
 """
 
@@ -9,15 +10,18 @@ from typing import Callable, ContextManager, Optional
 
 import jax
 
-from ..diagnostics._compiles import Compiling
+from ..diagnostics._compiles import QUICK_COMPILE, Compiling
 from ..diagnostics._phases import phase as record_phase
+from ..memory._budget import compiled_step_bytes
+from ..memory._device import host_available_bytes
 from ..memory._switch import DeviceSwitch
 
-__all__ = ['NO_CHECK', 'FitCheck', 'PendingCheck', 'before_first_step', 'check_device', 'check_on_host',
-           'lowered_on', 'starts_before_first_step']
+__all__ = ['NO_CHECK', 'CheckProgram', 'FitCheck', 'PendingCheck', 'before_first_step', 'check_device',
+           'check_on_host', 'starts_before_first_step']
 
 _BEFORE = DeviceSwitch(lambda: jax.default_backend() != 'cpu')  # before_first_step() sets it for the tests
 _ON_HOST = DeviceSwitch(lambda: jax.default_backend() != 'cpu')  # check_on_host() sets it for the tests
+HOST_SHARE = 0.5  # of the host's available memory, the most a first-batch check compiled for it may take
 
 
 def check_device() -> Optional[jax.Device]:
@@ -69,20 +73,37 @@ def before_first_step(enabled: Optional[bool]) -> ContextManager[None]:
   return _BEFORE.set(enabled)
 
 
-def lowered_on(device: Optional[jax.Device], step, values, *args) -> tuple:
-  """``(values, lowered)``: the first-batch check ``step`` (a ``bm.jit``) lowered for ``device`` (:func:`check_device`)
-  with the Variables' ``values`` copied there, where it is given and the batch's data (the last two of ``args``) are
-  NumPy or on it (data on another device are not copied: the check stays with them); else, and where lowering for
-  it fails, for the default device with ``values`` as they are."""
-  on_host = device is not None and all(not isinstance(x, jax.Array) or x.devices() == {device}
-                                       for x in jax.tree_util.tree_leaves(args[-2:]))
-  if on_host:
-    try:
-      placed = jax.device_put(values, device)
-      return placed, step.jitted_fun.lower(placed, *args)
-    except Exception:  # (say a constant of the loss held on the device: the check stays there)
-      pass
-  return values, step.jitted_fun.lower(values, *args)
+class CheckProgram:
+  """The first-batch check ``step`` (a ``bm.jit``) on the Variables' ``values`` and ``args``, lowered when made
+  (its trace: an error in the loss raises there, on the caller's thread); :meth:`compile` compiles it.
+
+  For ``device`` (:func:`check_device`, the host's CPU) with ``values`` copied there, where it is given and the
+  batch's data (the last two of ``args``) are NumPy or on it, and where the program compiled takes at most
+  :data:`HOST_SHARE` of the host's available memory; else for the default device with ``values`` as they are:
+  data on another device are not copied, and a program too large for the host would have the system stop the
+  process, where the device refuses it with an error that the check handles (its first samples instead).
+  """
+
+  def __init__(self, device: Optional[jax.Device], step, values, *args):
+    self._step, self._values, self._args, self._on_host = step, values, args, None
+    if device is not None and all(not isinstance(x, jax.Array) or x.devices() == {device}
+                                  for x in jax.tree_util.tree_leaves(args[-2:])):
+      try:
+        placed = jax.device_put(values, device)
+        self._on_host = placed, step.jitted_fun.lower(placed, *args)
+      except Exception:  # (say a constant of the loss held on the device: the check stays there)
+        pass
+    self._lowered = step.jitted_fun.lower(values, *args) if self._on_host is None else None
+
+  def compile(self) -> tuple:
+    """``(compiled, values)``: the check compiled, and the values to call it with (see the class)."""
+    if self._on_host is not None:
+      placed, lowered = self._on_host
+      compiled, room = lowered.compile(compiler_options=QUICK_COMPILE), host_available_bytes()
+      if room is not None and compiled_step_bytes(compiled) <= HOST_SHARE * room:
+        return compiled, placed
+    lowered = self._lowered or self._step.jitted_fun.lower(self._values, *self._args)
+    return lowered.compile(compiler_options=QUICK_COMPILE), self._values
 
 
 class PendingCheck:

@@ -408,21 +408,31 @@ def test_flattened_metrics_over_devices_equal_bptt(mesh):
 
 def test_first_batch_check_on_the_host_beside_the_device(monkeypatch):
   """The chip's path (a TPU beside its host's CPU), with device 1 standing for the host and device 0 for the chip:
-  the check of a batch of NumPy data is lowered for device 1, the Variables' values copied there, and sees a
+  the check of a batch of NumPy data is compiled for device 1, the Variables' values copied there, and sees a
   coupled loss as on the default device (one warning), and a mean as silent; a batch held on device 0 keeps its
-  check there (no copy of the data)."""
+  check there (no copy of the data), and so does a check too large for the host's available memory."""
   import test_coupled_loss
-  from brainpy_accum.trainer import _coupled_loss
-  placed, real = [], _coupled_loss.lowered_on
+  from brainpy_accum.memory import _device
+  from brainpy_accum.trainer import _coupled_loss, _fit_check
+  ran_on, real = [], _fit_check.CheckProgram.compile
+
+  def recorded(program):
+    compiled, values = real(program)
+    ran_on.append({d for leaf in jax.tree_util.tree_leaves(values) for d in leaf.devices()})
+    return compiled, values
+
   monkeypatch.setattr(_coupled_loss, 'check_device', lambda: jax.devices()[1])
-  monkeypatch.setattr(_coupled_loss, 'lowered_on', lambda *args: placed.append(
-    {d for leaf in jax.tree_util.tree_leaves(real(*args)[0]) for d in leaf.devices()}) or real(*args))
+  monkeypatch.setattr(_fit_check.CheckProgram, 'compile', recorded)
   with pytest.warns(UserWarning, match='couples the samples') as record:
     test_coupled_loss._fit(test_coupled_loss.batch_normalised, model='rnn')
-  assert len(test_coupled_loss._coupled(record)) == 1 and placed == [{jax.devices()[1]}], placed
+  assert len(test_coupled_loss._coupled(record)) == 1 and ran_on == [{jax.devices()[1]}], ran_on
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter('always')
     trainer = AccumBPTT(make_model('rnn'), lambda p, t: bm.mean((p - t) ** 2), num_micro_batch=3, progress_bar=False)
     trainer.fit([(jax.device_put(x, jax.devices()[0]), y) for x, y in make_batches((10,))], num_epoch=1)
   assert not [w for w in record if 'couples' in str(w.message) or 'Could not check' in str(w.message)], record
-  assert placed[1:] == [{jax.devices()[0]}], placed
+  assert ran_on[1:] == [{jax.devices()[0]}], ran_on
+  monkeypatch.setattr(_fit_check, 'host_available_bytes', lambda: 2 * 1024)  # (the check takes more than 1 KiB)
+  with pytest.warns(UserWarning, match='couples the samples') as record:
+    test_coupled_loss._fit(test_coupled_loss.batch_normalised, model='rnn')
+  assert len(test_coupled_loss._coupled(record)) == 1 and ran_on[2:] == [{jax.devices()[0]}], ran_on
