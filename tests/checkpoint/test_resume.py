@@ -161,6 +161,25 @@ def test_a_checkpoint_inside_a_window_is_not_resumed_without_one(tmp_path, ctrl_
   assert_trees_close(params_of(other.target), before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize('saved, resumed, at, updates', [
+  (2, 3, 4, ((0, 1), (2, 3, 4, 5))), pytest.param(3, 2, 5, ((0, 1, 2), (3, 4, 5)), marks=pytest.mark.long)])
+def test_a_window_resumed_with_another_accumulate_steps_joins_the_new_window(saved, resumed, at, updates, tmp_path,
+                                                                            ctrl_c_raises):
+  """Stopped between the batches of one update and resumed with another accumulate_steps, the saved sums join
+  the new trainer's window that holds the batch it resumes at (windows counted from the epoch's first batch, as
+  the guide says): that update is bp.BPTT's on every batch since the last update."""
+  checkpoint = tmp_path / 'run.ckpt'
+  with pytest.raises(KeyboardInterrupt):  # batches 0 to at - 2 trained: the last (at - 2) left in the window
+    _trainer(accumulate_steps=saved).fit(_signalling(BATCHES, at=at), num_epoch=1, checkpoint=checkpoint)
+  resumed_trainer = _trainer(accumulate_steps=resumed)
+  resumed_trainer.fit(BATCHES, num_epoch=1, checkpoint=checkpoint)
+  reference = bp.BPTT(make_model('rnn'), bp.losses.mean_squared_error, optimizer=bp.optim.Adam(lr=0.05),
+                      progress_bar=False)
+  reference.fit([tuple(np.concatenate(p) for p in zip(*[BATCHES[i] for i in update])) for update in updates],
+                num_epoch=1)
+  assert_trees_close(params_of(resumed_trainer.target), params_of(reference.target))
+
+
 def test_finished_run_is_continued_by_a_larger_num_epoch(tmp_path):
   checkpoint = tmp_path / 'run.ckpt'
   first = _trainer(accumulate_steps=2)
