@@ -257,18 +257,16 @@ def check_carried_batch(model, batch_size: int, data_name: str, position: int) -
                        f'{_samples(samples)}. Nothing of this batch has run.')
 
 
-def _sequence_batches(data) -> Optional[Iterator]:
-  """The batches of ``data`` when it can be read twice without being consumed (a list, a tuple, an object with
-  ``__len__`` and ``__getitem__`` that is not its own iterator); ``None`` for generators, iterators and callables,
-  which are checked batch by batch."""
-  if callable(data) or not (hasattr(data, '__len__') and hasattr(data, '__getitem__')) or isinstance(data, dict):
-    return None
-  try:
-    if iter(data) is data:
-      return None
-  except TypeError:
-    return None
-  return iter(data)
+def _listed_pairs(data) -> Iterator[Tuple[int, Any, Any]]:
+  """``(position, inputs, targets)`` of each batch of a source that holds its batches already (a list, a tuple, a
+  stacked array: :func:`~brainpy_accum.trainer._feed.holds_batches`), up to a malformed one, which the loop refuses
+  when it reaches it, as bp.BPTT would; nothing for any other source (a generator, a callable, a dataset object
+  that loads or draws each batch: read ahead it would load twice or draw other batches), which the loop checks
+  batch by batch."""
+  for position, batch in enumerate(map(as_pair, data) if holds_batches(data) else ()):
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+      return
+    yield position, batch[0], batch[1]
 
 
 def check_listed_batches(model, batch_size_of: Callable[[Any, Any], int], carried: bool, shared: bool,
@@ -278,19 +276,18 @@ def check_listed_batches(model, batch_size_of: Callable[[Any, Any], int], carrie
   any, and says whether it did) is called between the two checks, and what it returned is returned:
 
   - first, on a mesh (``shared``), each batch of a list, tuple or array (batches already in memory: a dataset
-    object that loads or draws each batch is not read ahead) is checked by ``batch_size_of`` (which refuses one
-    that does not split over the devices), and an error is raised naming its place: nothing has changed then;
+    object that loads or draws each batch is not read ahead, :func:`_listed_pairs`) is checked by
+    ``batch_size_of`` (which refuses one that does not split over the devices), and an error is raised naming its
+    place: nothing has changed then;
   - then, with ``reset_state=False`` (``carried``), each must have the size of the model state it continues,
     which a checkpoint just loaded may have set (:func:`check_carried_sizes`).
 
   Generators and callables are checked batch by batch."""
   with brainstate.environ.context(fit=True):  # (the check may trace the model, which may read the setting)
     for data_name, data in data_sets.items() if shared else ():
-      for position, batch in enumerate(map(as_pair, data) if holds_batches(data) else ()):
+      for position, inputs, targets in _listed_pairs(data):
         try:
-          if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            break  # a malformed batch: the loop refuses it when it reaches it, as bp.BPTT would
-          batch_size_of(batch[0], batch[1])
+          batch_size_of(inputs, targets)
         except UnevenSplitError as error:
           raise UnevenSplitError(f'Batch {position} of {data_name}: {error} Checked before training: nothing has '
                                  f'changed.') from error
@@ -307,25 +304,20 @@ _LOADED = "nothing has trained (the checkpoint was loaded, and the model state c
 
 def check_carried_sizes(model, batch_size_of: Callable[[Any, Any], int], loaded: bool = False,
                         **data_sets) -> None:
-  """With ``reset_state=False``, before the first update: every batch of each data set given as a sequence
-  (``train_data=..., test_data=...``) has the size of the model state it continues, so that no run stops
-  half-trained at a batch of another size. ``batch_size_of(inputs, targets)``: a batch's size (its checks);
+  """With ``reset_state=False``, before the first update: every batch of each data set given as a list, tuple or
+  array (``train_data=..., test_data=...``; :func:`_listed_pairs`) has the size of the model state it continues, so
+  that no run stops half-trained at a batch of another size. ``batch_size_of(inputs, targets)``: a batch's size (its checks);
   ``loaded``: a checkpoint was loaded just before (the error says so: its state is the trainer's now).
-  Generators and callables are checked batch by batch (:func:`check_carried_batch`)."""
+  Other sources are checked batch by batch (:func:`check_carried_batch`)."""
   states = carried_states(model)
   if not states:
     return
   for data_name, data in data_sets.items():
-    batches = None if data is None else _sequence_batches(data)
-    if batches is None:
-      continue
     sizes = []
-    for batch in batches:  # up to a malformed batch, which the loop refuses when it reaches it, after those before
-      if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        break
+    for _, inputs, targets in _listed_pairs(data):
       try:
-        sizes.append(batch_size_of(batch[0], batch[1]))
-      except (ValueError, TypeError):
+        sizes.append(batch_size_of(inputs, targets))
+      except (ValueError, TypeError):  # (the loop's own checks say it better, in their turn)
         break
     for name, axis, samples in states:
       wrong = [position for position, size in enumerate(sizes) if size != samples]

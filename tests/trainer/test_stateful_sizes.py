@@ -2,11 +2,13 @@
 
 Each batch continues, sample by sample, the model state it finds, so it must hold as many samples. ``bp.BPTT``
 fails there inside JAX, after the batches before have updated the parameters. ``AccumBPTT`` checks a list's
-sizes before the first update (nothing is half-trained) and a generator's before each batch, with a
+sizes before the first update (nothing is half-trained) and a generator's or a dataset object's before each
+batch (they are not read ahead), with a
 ``ValueError`` naming ``reset_state`` and the sizes. A model without batched state takes any size. The search
 over options, sizes and layouts runs a few examples here and more in ``test_hostile_input.py`` (long).
 """
 
+import contextlib
 import warnings
 
 import brainpy as bp
@@ -79,6 +81,46 @@ def test_a_generator_is_checked_before_each_batch():
     trainer.fit((batch for batch in batches), num_epoch=1, reset_state=False)
   assert_trees_close(params_of(trainer.target), params_of(reference.target))
   assert_trees_close(np.asarray(trainer.target.lif.V), np.asarray(reference.target.lif.V))
+
+
+class DrawnBatches:
+  """A dataset object that draws each batch as it is read (noise from NumPy's global generator, as an augmenting
+  loader would): reading it ahead would draw other batches for training than bp.BPTT's."""
+
+  def __init__(self, batches):
+    self.batches, self.reads = batches, 0
+
+  def __len__(self):
+    return len(self.batches)
+
+  def __getitem__(self, i):
+    if i >= len(self.batches):
+      raise IndexError(i)
+    self.reads += 1
+    x, y = self.batches[i]
+    return x + np.float32(0.1) * np.random.standard_normal(x.shape).astype(np.float32), y
+
+
+def test_a_dataset_object_is_read_once_and_checked_before_each_batch():
+  """A dataset object with ``__len__`` and ``__getitem__`` is not read ahead (it was: every batch drawn once more
+  before training, so that a loader drawing noise trained on other batches than bp.BPTT's, and a loading one
+  loaded twice): trained on the same draws as bp.BPTT, and a batch of another size is refused before it changes
+  anything, as a generator's."""
+  batches = make_batches((2, 2, 4))
+  trained = []
+  for cls, data, options in ((bp.BPTT, batches[:2], {}), (AccumBPTT, batches[:2], dict(num_micro_batch=2)),
+                             (AccumBPTT, batches, dict(num_micro_batch=2))):
+    np.random.seed(0)
+    data = DrawnBatches(data)
+    trainer = _trainer(cls, make_model('rnn'), **options)
+    trainer.target.reset(2)
+    with pytest.raises(ValueError, match=r'Batch 2 of train_data has 4 samples, but with reset_state=False') \
+        if len(data) == 3 else contextlib.nullcontext():
+      trainer.fit(data, num_epoch=1, reset_state=False)
+    assert data.reads == len(data), data.reads
+    trained.append(params_of(trainer.target))
+  assert_trees_close(trained[1], trained[0])
+  assert_trees_close(trained[2], trained[0])
 
 
 def test_a_model_never_reset_holds_one_sample():
