@@ -16,6 +16,7 @@ is a measurement, the candidate does not fit, with the size the message names (:
 :func:`refusal_measured`).
 """
 
+import os
 import re
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Union
 
@@ -68,14 +69,35 @@ def device_memory(device: Optional[jax.Device] = None) -> Optional[DeviceMemory]
 
 
 def host_available_bytes() -> Optional[int]:
-  """The host memory available to new allocations without swapping (Linux's ``MemAvailable``), or ``None``
-  where it cannot be read (another system). A CPU device reports no memory of its own (:func:`device_memory`),
-  and a program too large for the host is not refused there: the system stops the process."""
+  """The host memory this process may still allocate without swapping: the least of Linux's ``MemAvailable``
+  and the room left under its control group's limit (a container's), where they can be read; ``None`` where
+  neither can (another system). A CPU device reports no memory of its own (:func:`device_memory`), and a program
+  too large for the host is not refused there: the system stops the process.
+
+  Examples
+  --------
+  >>> from brainpy_accum.memory._device import host_available_bytes
+  >>> host_available_bytes() is None or host_available_bytes() > 0
+  True
+  """
+  rooms = [_read_number('/proc/meminfo', 'MemAvailable:', 1024)]
+  for limit, used in (('memory.max', 'memory.current'),  # (cgroup v2, then v1; 'max' or a huge limit: none)
+                      ('memory/memory.limit_in_bytes', 'memory/memory.usage_in_bytes')):
+    limit, used = (_read_number(os.path.join('/sys/fs/cgroup', name)) for name in (limit, used))
+    if limit is not None and used is not None and limit < 2 ** 60:
+      rooms.append(max(0, limit - used))
+  rooms = [room for room in rooms if room is not None]
+  return min(rooms) if rooms else None
+
+
+def _read_number(path: str, key: Optional[str] = None, unit: int = 1) -> Optional[int]:
+  """The number in the file at ``path`` (on the line that starts with ``key``, its first figure), times
+  ``unit``; ``None`` where the file or the number is missing."""
   try:
-    with open('/proc/meminfo') as info:
-      for line in info:
-        if line.startswith('MemAvailable:'):
-          return int(line.split()[1]) * 1024
+    with open(path) as text:
+      for line in text:
+        if key is None or line.startswith(key):
+          return int(line.split()[1 if key else 0]) * unit
   except (OSError, ValueError, IndexError):
     pass
   return None

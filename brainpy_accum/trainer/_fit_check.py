@@ -20,16 +20,21 @@ __all__ = ['NO_CHECK', 'CheckProgram', 'FitCheck', 'PendingCheck', 'before_first
            'check_on_host', 'starts_before_first_step']
 
 _BEFORE = DeviceSwitch(lambda: jax.default_backend() != 'cpu')  # before_first_step() sets it for the tests
-_ON_HOST = DeviceSwitch(lambda: jax.default_backend() != 'cpu')  # check_on_host() sets it for the tests
-HOST_SHARE = 0.5  # of the host's available memory, the most a first-batch check compiled for it may take
+_ON_HOST = DeviceSwitch(lambda: jax.default_backend() == 'tpu')  # check_on_host() sets it for the tests
+# the most a first-batch check compiled for the host may take: this share of the memory the host (or its
+# container) has available, and at most HOST_CHECK_BYTES, so that it stays quick on the host's cores and leaves
+# room to other processes that check beside it; a larger check runs on the device, which refuses one too large for
+# it with an error the check handles (its first samples instead)
+HOST_SHARE, HOST_CHECK_BYTES = 0.25, 128 * 2 ** 20
 
 
 def check_device() -> Optional[jax.Device]:
-  """The device the first-batch check compiles and runs on: the host's CPU where JAX has one beside another
-  default device (a TPU's host), else ``None`` (the default device). The check computes the loss alone, on random
-  outputs of the model's shape, never the model: the host computes it in moments, compiles it faster than a TPU
-  (on the TPU v5e the check's compilation, 1.25 s, outlasted a client-sized run's first step, which waited for it;
-  2026-12-07) and takes none of the device's memory for it. ``JAX_PLATFORMS=tpu`` leaves no CPU backend."""
+  """The device the first-batch check compiles and runs on: the host's CPU beside a TPU where JAX has a CPU
+  backend (``JAX_PLATFORMS=tpu`` leaves none), else ``None`` (the default device). The check computes the loss
+  alone, on random outputs of the model's shape, never the model: for a check of the size :class:`CheckProgram`
+  allows there, the host compiles and runs it faster than the TPU compiles it (on the TPU v5e the check's
+  compilation, 1.25 s, outlasted a client-sized run's first step, which waited for it; 2026-12-07), and its
+  program takes none of the device's memory."""
   if not _ON_HOST():
     return None
   try:
@@ -77,11 +82,13 @@ class CheckProgram:
   """The first-batch check ``step`` (a ``bm.jit``) on the Variables' ``values`` and ``args``, lowered when made
   (its trace: an error in the loss raises there, on the caller's thread); :meth:`compile` compiles it.
 
-  For ``device`` (:func:`check_device`, the host's CPU) with ``values`` copied there, where it is given and the
-  batch's data (the last two of ``args``) are NumPy or on it, and where the program compiled takes at most
-  :data:`HOST_SHARE` of the host's available memory; else for the default device with ``values`` as they are:
-  data on another device are not copied, and a program too large for the host would have the system stop the
-  process, where the device refuses it with an error that the check handles (its first samples instead).
+  For ``device`` (:func:`check_device`, the host's CPU) with ``values`` copied there, where it is given, the batch's
+  data (the last two of ``args``) are NumPy or on it, it compiles there and its program takes at most
+  :data:`HOST_CHECK_BYTES` and :data:`HOST_SHARE` of the host's available memory
+  (:func:`~brainpy_accum.memory._device.host_available_bytes`);
+  else for the default device with ``values`` as they are: data on another device are not copied back, and a
+  program too large for the host would have the system stop the process, where the device refuses it with an
+  error that the check handles.
   """
 
   def __init__(self, device: Optional[jax.Device], step, values, *args):
@@ -91,16 +98,22 @@ class CheckProgram:
       try:
         placed = jax.device_put(values, device)
         self._on_host = placed, step.jitted_fun.lower(placed, *args)
-      except Exception:  # (say a constant of the loss held on the device: the check stays there)
+      except Exception:  # (what the host cannot take: the check stays on the device)
         pass
     self._lowered = step.jitted_fun.lower(values, *args) if self._on_host is None else None
 
   def compile(self) -> tuple:
-    """``(compiled, values)``: the check compiled, and the values to call it with (see the class)."""
-    if self._on_host is not None:
-      placed, lowered = self._on_host
-      compiled, room = lowered.compile(compiler_options=QUICK_COMPILE), host_available_bytes()
-      if room is not None and compiled_step_bytes(compiled) <= HOST_SHARE * room:
+    """``(compiled, values)``: the check compiled, and the values to call it with (see the class); called once."""
+    on_host, self._on_host = self._on_host, None
+    if on_host is not None:
+      placed, lowered = on_host
+      try:
+        compiled = lowered.compile(compiler_options=QUICK_COMPILE)
+        room, need = host_available_bytes(), compiled_step_bytes(compiled)
+      except Exception:  # (say an operation the host's backend lacks: the device's compilation decides)
+        room = None
+      if room is not None and need <= min(HOST_CHECK_BYTES, HOST_SHARE * room):
+        self._values = self._args = None  # (the device's values are not needed any more)
         return compiled, placed
     lowered = self._lowered or self._step.jitted_fun.lower(self._values, *self._args)
     return lowered.compile(compiler_options=QUICK_COMPILE), self._values

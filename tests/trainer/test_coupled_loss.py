@@ -82,15 +82,47 @@ def test_loss_normalised_by_batch_statistics_warns():
 
 
 def test_check_on_the_host_warns_as_on_the_device():
-  """The chip's path, forced on the CPU (whose host is the device: eight simulated devices in
-  ``multidevice_checks.py`` tell them apart): the check lowered for the host's CPU, with the Variables' values
-  placed there, sees the coupling too."""
+  """The chip's path forced on the CPU, end to end (whose host is the device: the rules are tested apart below,
+  and eight simulated devices in ``multidevice_checks.py`` tell host and device apart): the check lowered for the
+  host's CPU, with the Variables' values placed there, sees the coupling too."""
   with check_on_host(True), pytest.warns(UserWarning, match='couples the samples') as record:
     assert check_device().platform == 'cpu'
     _fit(batch_normalised, model='rnn')
   assert len(_coupled(record)) == 1
   with check_on_host(False):
     assert check_device() is None
+
+
+class _Jitted:
+  """A check's ``bm.jit`` as :class:`CheckProgram` uses it (``jitted_fun.lower``); ``host_fails``: its
+  compilation for values on a device (the host's copies; the defaults' are NumPy here) raises."""
+
+  def __init__(self, host_fails=False):
+    self.jitted_fun, self._host_fails = self, host_fails
+    self._jit = jax.jit(lambda values, x, y: (values, jnp.sum(values[0]) + jnp.sum(x) + jnp.sum(y)))
+
+  def lower(self, values, *args):
+    lowered = self._jit.lower(values, *args)
+    if self._host_fails and isinstance(values[0], jax.Array):
+      lowered.compile = lambda **options: (_ for _ in ()).throw(RuntimeError('no such op on this backend'))
+    return lowered
+
+
+@pytest.mark.parametrize('case', ['host', 'no device', 'room unknown', 'room small', 'over the cap', 'host fails'])
+def test_check_program_runs_on_the_host_only_where_it_should(case, monkeypatch):
+  """Where the check compiles, by each rule of :class:`CheckProgram`: the host's CPU, with the Variables' values
+  copied there, only where it is given, its compilation succeeds and the program fits the host's room and the cap;
+  else the default device, on the values as they are (NumPy here: which values come back tells the two apart)."""
+  from brainpy_accum.trainer import _fit_check
+  values, x, y = [np.ones(3, np.float32)], np.ones((2, 4), np.float32), np.zeros(2, np.float32)
+  monkeypatch.setattr(_fit_check, 'host_available_bytes', {'room unknown': lambda: None, 'room small': lambda: 256}
+                      .get(case, lambda: 2 ** 40))
+  if case == 'over the cap':
+    monkeypatch.setattr(_fit_check, 'HOST_CHECK_BYTES', 64)  # (its arguments and outputs alone: 68 bytes)
+  device = None if case == 'no device' else jax.devices('cpu')[0]
+  compiled, used = _fit_check.CheckProgram(device, _Jitted(host_fails=case == 'host fails'), values, x, y).compile()
+  assert (used is not values and isinstance(used[0], jax.Array)) == (case == 'host'), (case, used)
+  assert float(compiled(used, x, y)[1]) == 11.
 
 
 def host_normalised(predicts, targets):
