@@ -189,8 +189,8 @@ class RunningCheck:
       with phase('first-batch check'):
         compiled, values = program.compile()
         self._done['result'] = jax.device_get(compiled(values, inputs, targets)[1])
-    except Exception as error:  # reported by finish(), on the caller's thread
-      self._done['error'] = error
+    except Exception as error:  # reported by finish(), on the caller's thread; its frames hold the check's values
+      self._done['error'] = error.with_traceback(None)
 
   def finish(self, report: bool = True, retry: bool = True) -> None:
     """Wait for the check and give its warnings (``report=False``: only wait). Where the device could not hold
@@ -202,6 +202,7 @@ class RunningCheck:
     if error is not None and retry and self._instead is None and self._fewer is not None \
         and is_out_of_memory(error):
       self._instead = self._fewer(error)
+    self._fewer = self._fewer if error is not None and not retry else None  # (it holds the batch's model state)
     if self._instead is not None:
       self._instead.finish(report, retry)
       return
@@ -232,10 +233,9 @@ class UntracedCheck:
       _could_not_check(self._error)
 
 
-def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan,
-                        reduction: str, use_found: Optional[Callable[[Dict[str, str]], None]] = None,
-                        fewer: Optional[Callable] = None, on: str = WHOLE, device: Optional[jax.Device] = None
-                        ) -> Union[RunningCheck, UntracedCheck]:
+def check_in_background(step, shared_args, inputs, targets, variables: Sequence, plan: MicroBatchPlan, reduction: str,
+                        use_found: Optional[Callable[[Dict[str, str]], None]] = None, fewer: Optional[Callable] = None,
+                        on: str = WHOLE, device: Optional[jax.Device] = None) -> Union[RunningCheck, UntracedCheck]:
   """Trace and lower the jitted ``step(names, shared_args, inputs, targets)`` here (errors in the user's metrics
   raise now, before anything changes), then compile and run it on a background thread, on the Variables'
   values of now: the :class:`RunningCheck`, whose ``finish(report=True)`` waits for it and warns (an

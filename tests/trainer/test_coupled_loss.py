@@ -1,6 +1,7 @@
 """The default mode's first-batch check sees a coupled loss at random outputs, whatever the model's first outputs."""
 
 import contextlib
+import gc
 import threading
 import warnings
 
@@ -123,6 +124,21 @@ def test_check_program_runs_on_the_host_only_where_it_should(case, monkeypatch):
   compiled, used = _fit_check.CheckProgram(device, _Jitted(host_fails=case == 'host fails'), values, x, y).compile()
   assert (used is not values and isinstance(used[0], jax.Array)) == (case == 'host'), (case, used)
   assert float(compiled(used, x, y)[1]) == 11.
+
+
+def test_the_check_keeps_no_array_after_it_is_done():
+  """The first-batch check let go of what it ran on once it is done: it kept the batch's model state as the
+  check started (for a check of fewer samples, should the device refuse the whole) for the trainer's lifetime:
+  on a chip, a second copy of the whole batch's state beside training (found by a second reviewer)."""
+  model = make_model('rnn', n_hidden=37)
+  trainer = AccumBPTT(model, batch_normalised, num_micro_batch=2, progress_bar=False)
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    trainer.fit(make_batches((10, 10)), num_epoch=1)
+  gc.collect()
+  states = [v for v in model.vars().unique().values() if np.shape(v) == (10, 37)]
+  held = [a for a in jax.live_arrays() if a.shape == (10, 37)]
+  assert len(states) == 1 and len(held) == 1, (len(states), len(held))
 
 
 def host_normalised(predicts, targets):
