@@ -306,8 +306,8 @@ def check_carried_sizes(model, batch_size_of: Callable[[Any, Any], int], loaded:
                         **data_sets) -> None:
   """With ``reset_state=False``, before the first update: every batch of each data set given as a list, tuple or
   array (``train_data=..., test_data=...``; :func:`_listed_pairs`) has the size of the model state it continues, so
-  that no run stops half-trained at a batch of another size. ``batch_size_of(inputs, targets)``: a batch's size (its checks);
-  ``loaded``: a checkpoint was loaded just before (the error says so: its state is the trainer's now).
+  that no run stops half-trained at a batch of another size. ``batch_size_of(inputs, targets)``: a batch's size
+  (its checks); ``loaded``: a checkpoint was loaded just before (the error says so: its state is the trainer's now).
   Other sources are checked batch by batch (:func:`check_carried_batch`)."""
   states = carried_states(model)
   if not states:

@@ -10,6 +10,7 @@ from typing import Callable, ContextManager, Optional
 
 import jax
 
+from ..core._written import host_callbacks_run
 from ..diagnostics._compiles import QUICK_COMPILE, Compiling
 from ..diagnostics._phases import phase as record_phase
 from ..memory._budget import compiled_step_bytes
@@ -35,12 +36,7 @@ def check_device() -> Optional[jax.Device]:
   allows there, the host compiles and runs it faster than the TPU compiles it (on the TPU v5e the check's
   compilation, 1.25 s, outlasted a client-sized run's first step, which waited for it; 2026-12-07), and its
   program takes none of the device's memory."""
-  if not _ON_HOST():
-    return None
-  try:
-    return jax.devices('cpu')[0]
-  except RuntimeError:
-    return None
+  return jax.devices('cpu')[0] if _ON_HOST() and host_callbacks_run() else None
 
 
 def check_on_host(enabled: Optional[bool]) -> ContextManager[None]:
